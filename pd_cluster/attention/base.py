@@ -1,0 +1,65 @@
+"""Attention backend interface and the per-forward attention metadata.
+
+Paged KV layout (one tensor for the whole engine, see `pd_cluster.kv_layout`):
+
+    kv_cache[layer, 0] = K cache   [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache[layer, 1] = V cache   [num_blocks, block_size, num_kv_heads, head_dim]
+
+Token slot `s` of the pool lives at block `s // block_size`, offset `s % block_size`.
+
+A forward pass runs over a flattened batch of tokens from several sequences. The scheduler
+puts decodes first, so the first `num_decodes` sequences each contribute exactly one query
+token and the rest are (chunked) prefills:
+
+    tokens:  [d0][d1][d2][p0 p0 p0 p0][p1 p1]         T = 9, B = 5, num_decodes = 3
+    query_start_loc = [0, 1, 2, 3, 7, 9]
+    seq_lens        = [ctx0+1, ctx1+1, ctx2+1, cached_p0 + 4, cached_p1 + 2]
+
+Query token j of sequence i sits at absolute position seq_lens[i] - query_len_i + j and
+attends (causally) to every position up to and including its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every attention layer of one forward pass needs; built once per step."""
+
+    slot_mapping: torch.Tensor     # [T] int64: pool slot each new token's K/V is written to
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor         # [B] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor     # [B, max_blocks_per_seq] int32, padded with 0
+    num_decodes: int               # leading sequences with query length 1
+    num_decode_tokens: int         # == num_decodes; kept separate for readability at call sites
+    max_query_len: int
+    max_seq_len: int
+    # Host copies: the torch backend loops over sequences, and launchers size grids from them.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """Stores the new K/V into the paged cache, then attends every query to its context."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,        # [T, num_heads, head_dim]
+        k: torch.Tensor,        # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,        # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+        ...
