@@ -1,0 +1,160 @@
+"""Paged decode attention, split-KV ("flash decoding"): one query token per sequence.
+
+    q             [B, num_heads, head_dim]
+    k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]   (same strides)
+    block_tables  [B, max_blocks_per_seq] int32
+    seq_lens      [B] int32: context length including the new token (>= 1)
+    out           [B, num_heads, head_dim]
+
+Stage 1, grid (B, num_kv_heads, num_splits): a program takes one contiguous chunk of a
+sequence's context and all query heads of one KV head as a [BLOCK_H, head_dim] tile (group
+padded to >= 16 rows for tl.dot), so each K/V tile is read from memory once per group. It
+writes the chunk's normalised output and log-sum-exp (base 2) to fp32 scratch:
+
+    partial_out [B, num_heads, num_splits, head_dim]    partial_lse [B, num_heads, num_splits]
+
+Stage 2, grid (B, num_heads): merges a sequence's non-empty chunks by their log-sum-exp.
+Chunks are multiples of BLOCK_N long, so short sequences simply use fewer of them.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged import attend_paged_range
+
+# Splitting fills the GPU when batch x kv_heads is small; these bound how far it goes.
+PROGRAMS_PER_SM = 4       # aim for this many stage-1 programs per SM (covers wave tails)
+MIN_SPLIT_TOKENS = 256    # shorter chunks cost more in stage 2 than they win in stage 1
+MAX_SPLITS = 64
+DEFAULT_SMS = 132         # H100/H200, used off-GPU (the interpreter) to keep choices stable
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per chunk: an even share of seq_len rounded up to whole tiles."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, KCache, VCache, BlockTables, SeqLens, PartialOut, PartialLse, qk_scale, num_splits,
+    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(SeqLens + seq)
+    chunk = _split_len(seq_len, num_splits, BLOCK_N)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if start >= end:
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc, m_i, l_i = attend_paged_range(
+        acc, m_i, l_i, q, offs_h, KCache, VCache, BlockTables + seq * stride_bt,
+        kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False)
+    part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+    tl.store(part + offs_d[None, :], acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(PartialLse + seq * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
+             mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    PartialOut, PartialLse, SeqLens, Out, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(SeqLens + seq)
+    used_splits = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    part = PartialOut + seq * stride_pb + head * stride_ph + offs_d
+    lse_row = PartialLse + seq * stride_lb + head * stride_lh
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m = float("-inf")
+    total = 0.0
+    for split in range(0, used_splits):
+        lse = tl.load(lse_row + split)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha + weight * tl.load(part + split * stride_ps, mask=mask_d, other=0.0)
+        total = total * alpha + weight
+        m = m_new
+    tl.store(Out + seq * stride_ob + head * stride_oh + offs_d,
+             (acc / total).to(Out.dtype.element_ty), mask=mask_d)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many chunks to cut each sequence into so that stage 1 fills the GPU."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
+    worthwhile = triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, worthwhile, MAX_SPLITS))
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
+    out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
+    num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """Attend each sequence's single query token to its paged context (module docstring).
+
+    max_seq_len (a host int) sizes the split count without a device sync; the tuning knobs
+    num_splits / block_n / num_warps / num_stages default to the launcher's own choice.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and q.dtype == k_cache.dtype
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device))
+    block_n = block_n or (64 if head_dim <= 128 else 32)
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                              device=q.device)
+    partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse,
+        scale * math.log2(math.e), num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), *partial_out.stride()[:3], *partial_lse.stride()[:2],
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages)
+    _decode_stage2_kernel[(batch, num_heads)](
+        partial_out, partial_lse, seq_lens, out, num_splits,
+        *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4)
+    return out

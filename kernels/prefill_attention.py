@@ -1,0 +1,102 @@
+"""Varlen causal prefill attention over the paged KV cache (chunked prefill, prefix hits).
+
+    q                [T, num_heads, head_dim], sequences flattened by query_start_loc
+    k/v_cache        [num_blocks, block_size, num_kv_heads, head_dim]   (same strides)
+    block_tables     [B, max_blocks_per_seq] int32
+    seq_lens         [B] int32: context length after this step (cached + new tokens)
+    query_start_loc  [B + 1] int32: cumulative query lengths
+    out              [T, num_heads, head_dim]
+
+Query j of a sequence with q_len new tokens sits at position seq_len - q_len + j and sees
+positions 0..its own. K/V are read from the cache only, so the new tokens must be stored
+first (kv_store); a cached prefix then needs nothing special.
+
+Grid (cdiv(max_query_len, BLOCK_M), num_heads, B): a program owns BLOCK_M queries of one head.
+Keys up to its first query's position are visible to all its rows and run without the causal
+mask; only the tiles on the diagonal pay for it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged import attend_paged_range
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, KCache, VCache, BlockTables, SeqLens, QueryStartLoc, Out, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    m_block, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(QueryStartLoc + seq)
+    q_len = tl.load(QueryStartLoc + seq + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= q_len:
+        return
+    context = tl.load(SeqLens + seq) - q_len
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    tokens = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_row = BlockTables + seq * stride_bt
+    head_offset = (head // GROUP) * stride_ch
+    q_pos = context + offs_m
+    unmasked_end = (context + m0 + 1) // BLOCK_N * BLOCK_N
+    kv_end = context + tl.minimum(m0 + BLOCK_M, q_len)
+    acc, m_i, l_i = attend_paged_range(
+        acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset, 0, unmasked_end,
+        qk_scale, stride_cb, stride_cs, offs_d, mask_d,
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False)
+    acc, m_i, l_i = attend_paged_range(
+        acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset, unmasked_end, kv_end,
+        qk_scale, stride_cb, stride_cs, offs_d, mask_d,
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=True)
+    tl.store(Out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             (acc / l_i[:, None]).to(Out.dtype.element_ty),
+             mask=mask_m[:, None] & mask_d[None, :])
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of every query token to its paged context (module docstring).
+
+    max_query_len (a host int) sizes the grid; the tuning knobs default to the launcher's
+    own choice.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0] == 0:
+        return out
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and q.dtype == k_cache.dtype
+    # Large tiles amortise the K/V loads; head_dim 256 halves them to fit shared memory.
+    block_m = block_m or (64 if head_dim <= 128 else 32)
+    block_n = block_n or (64 if head_dim <= 128 else 32)
+    num_warps = num_warps or (4 if block_m <= 64 else 8)
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=num_warps, num_stages=num_stages)
+    return out

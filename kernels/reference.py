@@ -1,0 +1,85 @@
+"""Plain torch references for every kernel in this package; tests compare against these.
+
+Shapes follow the kernels' docstrings:
+    paged K/V cache  [num_blocks, block_size, num_kv_heads, head_dim]; slot s -> block
+                     s // block_size, offset s % block_size
+    queries          [T, num_heads, head_dim], flattened over sequences by query_start_loc
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, num_kv_heads, head_dim] to their slots; negative slots are skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention in fp32: query j of sequence i (q_len tokens, seq_len context after
+    the step) sits at position seq_len - q_len + j and sees positions 0..its own."""
+    out = torch.empty_like(q)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        blocks = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """One query token per sequence: q [B, num_heads, head_dim] -> [B, num_heads, head_dim]."""
+    query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                               scale)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF LlamaRMSNorm after an optional residual add: returns (normed, x + residual)."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, x
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary (HF rotate_half) on the first rotary_dim dims of q [T, H, D], k [T, Hk, D].
+
+    cos_sin_cache [max_pos, rotary_dim] holds cos in its first half, sin in its second.
+    """
+    half = cos_sin_cache.shape[1] // 2
+    cos, sin = cos_sin_cache[positions.long()].float().split(half, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * I] = [gate | up] -> [T, I] (HF LlamaMLP order)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
