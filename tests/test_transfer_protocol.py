@@ -1,0 +1,128 @@
+"""The transport protocol in one process: block-run merging, typed messages, byte-exact
+write/read, layout checks, aborts, timeouts and leases (local backend, and NIXL loopback)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from test_transfer_support import blocks, model_kv, paged_pool, tiny_layout
+from transfer import registry
+from transfer.base import LayoutMismatchError, TransferError, TransferState
+from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
+from transfer.registry import make_transport
+from transfer.runs import block_runs, byte_runs
+
+BACKENDS = ["local", "nixl"]
+
+
+def test_runs_merge_blocks_contiguous_on_both_sides() -> None:
+    assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (10, 7, 1)]
+    layout = tiny_layout(num_blocks=8)
+    copies = byte_runs(layout, tiny_layout(num_blocks=16), range(1, 2), [2, 3], [5, 6])
+    nb = layout.block_bytes
+    # layer 1 K then V, one run each; offsets count in each pool's own block count
+    assert copies == [((2 * 8 + 2) * nb, (2 * 16 + 5) * nb, 2 * nb),
+                      ((3 * 8 + 2) * nb, (3 * 16 + 5) * nb, 2 * nb)]
+    with pytest.raises(ValueError, match="out of range"):
+        byte_runs(layout, layout, range(2), [8], [0])
+
+
+def test_messages_round_trip_and_reject_junk() -> None:
+    msg = Message(MsgKind.DATA, "t1", "a", runs=((0, 64), (128, 64)), tag=7)
+    assert Message.decode(msg.encode()) == msg
+    desc = PoolDescriptor("nixl", "a", tiny_layout(), 4096, 0, False, b"\x00md")
+    assert PoolDescriptor.decode(desc.encode()) == desc
+    for junk in (b"\x93\x01\x02\x03", b"not msgpack \xc1", Message(MsgKind.DONE, "t", "a")
+                 .encode().replace(b"done", b"boom")):
+        with pytest.raises(MessageError):
+            Message.decode(junk)
+
+
+def test_unknown_or_missing_backend_says_what_to_do(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="choose one of"):
+        make_transport("carrier-pigeon")
+    monkeypatch.setitem(registry._BACKENDS, "nixl", ("no_such_nixl_module", "X", "pip install nixl"))
+    with pytest.raises(ImportError, match="install it with: pip install nixl"):
+        make_transport("nixl")
+
+
+def _pair(backend: str, layout_b=None, **kwargs):
+    layout = tiny_layout()
+    a, b = make_transport(backend, **kwargs), make_transport(backend, **kwargs)
+    kv = model_kv(layout, 22, seed=3)
+    a.register(paged_pool(layout, kv, [3, 4, 5, 6, 10, 11]), layout)
+    layout_b = layout_b or tiny_layout(num_blocks=24)
+    b.register(layout_b.allocate(), layout_b)
+    return a, b
+
+
+@pytest.fixture(params=BACKENDS)
+def pair(request):
+    a, b = _pair(request.param)
+    a.connect(b.descriptor().encode())
+    b.connect(a.descriptor())
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_write_then_read_are_byte_exact_and_notify_the_target(pair) -> None:
+    a, b = pair
+    src, dst = [3, 4, 5, 6, 10, 11], [0, 1, 2, 7, 8, 20]
+    target = b.expect(a.name, "w1")
+    t = a.write(b.name, src, dst, transfer_id="w1")
+    a.wait(t)
+    b.wait(target)
+    assert torch.equal(blocks(b.kv, dst), blocks(a.kv, src))
+    a.kv[:, :, src] = 0
+    r = a.read(b.name, src[:3], dst[:3], layers=range(1, 2))
+    a.wait(r)
+    assert torch.equal(blocks(a.kv, src[:3], range(1, 2)), blocks(b.kv, dst[:3], range(1, 2)))
+    assert torch.count_nonzero(blocks(a.kv, src[:3], range(0, 1))) == 0
+    for x in (t, r):
+        a.release(x)
+    b.release(target)
+    assert a.in_flight() == b.in_flight() == 0
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "float16"), ("head_dim", 32),
+                                         ("block_size", 8), ("model", "other")])
+def test_layout_mismatch_is_refused_naming_the_difference(field, value) -> None:
+    a, b = _pair("local", layout_b=tiny_layout(**{field: value}))
+    with pytest.raises(LayoutMismatchError, match=f"{field}: "):
+        a.connect(b.descriptor())
+
+
+def test_abort_ends_both_sides(pair) -> None:
+    a, b = pair
+    target = b.expect(a.name, "x1")
+    b.abort(target, "request cancelled")
+    t = a.write(b.name, [3], [0], transfer_id="x1")
+    a.progress()
+    # the initiator learns of the abort whichever came first, its DONE or the peer's ABORT
+    assert target.state is TransferState.ABORTED
+    assert t.state in (TransferState.ABORTED, TransferState.DONE)
+    b.release(target)
+    a.release(t)
+
+
+def test_lease_expires_when_the_peer_stops_renewing() -> None:
+    a, b = _pair("local", lease_s=0.2)
+    b.connect(a.descriptor())
+    target = b.expect(a.name, "quiet")   # a never writes nor renews: as if it had died
+    deadline = time.monotonic() + 5
+    while not b.poll(target).finished and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert target.state is TransferState.EXPIRED
+    with pytest.raises(TransferError, match="stopped renewing its lease"):
+        target.raise_if_failed()
+
+
+def test_every_wait_has_a_deadline() -> None:
+    a, b = _pair("local", timeout_s=0.2, lease_s=60)
+    b.connect(a.descriptor())
+    target = b.expect(a.name, "never")
+    with pytest.raises(TransferError, match="timed_out"):
+        b.wait(target)

@@ -1,0 +1,332 @@
+"""The KV transport interface: one engine's paged KV pool ↔ a peer's, block by block.
+
+Lifecycle of a transport:
+    register(kv, layout) → descriptor() → connect(peer descriptor)          (once per peer)
+    initiator: write()/read() → poll()/wait() → release()
+    target:    expect(transfer id) → poll() → release()   (its blocks are touched by the peer)
+
+Lifecycle of one transfer (`TransferState`):
+    IN_FLIGHT ──► DONE
+        ├─────► FAILED      the backend reported an error (typically: the peer died)
+        ├─────► TIMED_OUT   still running at its deadline
+        ├─────► ABORTED     abort() on either side (the other side is told)
+        └─────► EXPIRED     target only: the peer stopped renewing its lease on our blocks
+
+The initiator renews the target's lease with RENEW messages while its transfer runs, and a
+completion notice (DONE) reaches the target once the bytes have landed. Nothing here blocks
+without a deadline, and every non-DONE end tells the owner to free its blocks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+
+from pd_cluster.kv_layout import KVLayout
+from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
+from transfer.runs import Copy, byte_runs
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(RuntimeError):
+    """A transfer did not complete; the message says why and with which peer."""
+
+
+class LayoutMismatchError(TransferError):
+    """Two pools whose blocks cannot be exchanged (different model, dtype, shape, backend)."""
+
+
+class TransferState(Enum):
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+    @property
+    def finished(self) -> bool:
+        return self is not TransferState.IN_FLIGHT
+
+
+class Role(Enum):
+    WRITE = "write"    # we push our blocks into the peer's
+    READ = "read"      # we pull the peer's blocks into ours
+    TARGET = "target"  # the peer's transfer touches our blocks
+
+
+@dataclass(eq=False, slots=True)
+class Transfer:
+    """One transfer as this side sees it; `handle` is the backend's own state."""
+
+    id: str
+    peer: str
+    role: Role
+    deadline: float
+    lease_s: float
+    state: TransferState = TransferState.IN_FLIGHT
+    error: str = ""
+    lease_until: float = float("inf")
+    next_renew: float = 0.0
+    handle: Any = None
+
+    def raise_if_failed(self) -> None:
+        if self.state.finished and self.state is not TransferState.DONE:
+            raise TransferError(f"{self.role.value} {self.id} ({self.state.value}): {self.error}")
+
+
+class KVTransport(ABC):
+    """Moves (layer range × block ids) between registered KV pools; see the module docstring."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, name: str | None = None, *, timeout_s: float = 30.0, lease_s: float = 10.0):
+        self.name = name or f"{self.backend}-{uuid.uuid4().hex[:12]}"
+        self.timeout_s, self.lease_s = timeout_s, lease_s
+        self.kv: torch.Tensor | None = None
+        self.layout: KVLayout | None = None
+        self.peers: dict[str, PoolDescriptor] = {}
+        self._outgoing: dict[str, Transfer] = {}
+        self._targets: dict[str, Transfer] = {}
+        # Notices that beat expect() (a fast peer): kept until expect() or the timeout.
+        self._unclaimed: dict[str, tuple[float, Message]] = {}
+
+    # -- setup ---------------------------------------------------------------------------
+    def register(self, kv: torch.Tensor, layout: KVLayout) -> None:
+        if tuple(kv.shape) != layout.shape or kv.dtype != layout.torch_dtype:
+            raise ValueError(f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match {layout}")
+        if not kv.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor")
+        self.kv, self.layout = kv, layout
+        self._register(kv)
+
+    def descriptor(self) -> PoolDescriptor:
+        kv = self._registered()
+        return PoolDescriptor(self.backend, self.name, self.layout, kv.data_ptr(),
+                              kv.device.index or 0, kv.is_cuda, self._address())
+
+    def connect(self, peer: PoolDescriptor | bytes) -> str:
+        """Check the peer's pool is compatible, open a channel to it; returns its name."""
+        desc = PoolDescriptor.decode(peer) if isinstance(peer, bytes) else peer
+        self._registered()
+        if desc.backend != self.backend:
+            raise LayoutMismatchError(
+                f"peer {desc.agent} uses transport {desc.backend!r}, this one {self.backend!r}")
+        why = self.layout.mismatch(desc.layout)
+        if why:
+            raise LayoutMismatchError(f"cannot exchange KV blocks with {desc.agent}: {why}")
+        if desc.agent not in self.peers:
+            self._connect(desc)
+            self.peers[desc.agent] = desc
+        return desc.agent
+
+    # -- transfers -----------------------------------------------------------------------
+    def write(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+              layers: range | None = None, transfer_id: str | None = None) -> Transfer:
+        """Start copying our `local_blocks` into the peer's `remote_blocks` (all layers by default)."""
+        return self._start(Role.WRITE, peer, local_blocks, remote_blocks, layers, transfer_id)
+
+    def read(self, peer: str, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+             layers: range | None = None, transfer_id: str | None = None) -> Transfer:
+        """Start copying the peer's `remote_blocks` into our `local_blocks`."""
+        return self._start(Role.READ, peer, local_blocks, remote_blocks, layers, transfer_id)
+
+    def expect(self, peer: str, transfer_id: str, lease_s: float | None = None) -> Transfer:
+        """Track a peer's transfer into (or out of) our blocks; the peer must renew its lease."""
+        now = time.monotonic()
+        lease = lease_s or self.lease_s
+        t = Transfer(transfer_id, peer, Role.TARGET, now + self.timeout_s, lease,
+                     lease_until=now + lease)
+        self._targets[transfer_id] = t
+        early = self._unclaimed.pop(transfer_id, None)
+        if early:
+            self._apply(t, early[1])
+        return t
+
+    def poll(self, t: Transfer) -> TransferState:
+        self.progress()
+        return t.state
+
+    def wait(self, t: Transfer) -> None:
+        """Poll until `t` ends (its deadline bounds this); raise TransferError unless DONE."""
+        pause = 1e-4
+        while not self.poll(t).finished:
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
+        t.raise_if_failed()
+
+    def abort(self, t: Transfer, reason: str = "aborted by owner") -> None:
+        """Stop `t` here and tell the peer, so both sides free their blocks."""
+        if t.state.finished:
+            return
+        if t.role is not Role.TARGET:
+            self._cancel(t)
+        self._finish(t, TransferState.ABORTED, reason)
+        self._send_quiet(t.peer, Message(MsgKind.ABORT, t.id, self.name, reason))
+
+    def release(self, t: Transfer) -> None:
+        """Forget `t` (aborting it if still running) and free its backend resources."""
+        self.abort(t, "released while in flight")
+        self._release(t)
+        table = self._targets if t.role is Role.TARGET else self._outgoing
+        if table.get(t.id) is t:
+            del table[t.id]
+
+    def in_flight(self) -> int:
+        return sum(not t.state.finished for d in (self._outgoing, self._targets)
+                   for t in d.values())
+
+    def close(self) -> None:
+        for t in [*self._outgoing.values(), *self._targets.values()]:
+            self.release(t)
+        self._close()
+
+    # -- progress ------------------------------------------------------------------------
+    def progress(self) -> None:
+        """One non-blocking step: take in messages, advance transfers, enforce deadlines."""
+        for raw in self._recv():
+            try:
+                self._dispatch(Message.decode(raw))
+            except MessageError as e:
+                log.warning("%s: dropped a message: %s", self.name, e)
+        now = time.monotonic()
+        for t in list(self._outgoing.values()):
+            if not t.state.finished:
+                self._advance(t, now)
+        for t in list(self._targets.values()):
+            if t.state.finished:
+                continue
+            if now > t.lease_until:
+                self._end_target(t, TransferState.EXPIRED,
+                                 f"peer {t.peer} stopped renewing its lease ({t.lease_s:g}s)")
+            elif now > t.deadline:
+                self._end_target(t, TransferState.TIMED_OUT,
+                                 f"no completion from {t.peer} within {self.timeout_s:g}s")
+        for tid, (seen, _) in list(self._unclaimed.items()):
+            if now - seen > self.timeout_s:
+                del self._unclaimed[tid]
+
+    def _advance(self, t: Transfer, now: float) -> None:
+        err = self._check(t)
+        if err == "":
+            t.state = TransferState.DONE
+        elif err is not None:
+            self._finish(t, TransferState.FAILED, f"with peer {t.peer}: {err}")
+        elif now > t.deadline:
+            self.abort(t, f"timed out after {self.timeout_s:g}s")
+            t.state = TransferState.TIMED_OUT
+        elif now >= t.next_renew:
+            self._send_quiet(t.peer, Message(MsgKind.RENEW, t.id, self.name))
+            t.next_renew = now + self.lease_s / 3
+
+    def _dispatch(self, msg: Message) -> None:
+        if self._on_message(msg):
+            return
+        target = self._targets.get(msg.transfer_id)
+        if target is not None:
+            self._apply(target, msg)
+            return
+        mine = self._outgoing.get(msg.transfer_id)
+        if mine is not None and msg.kind is MsgKind.ABORT and not mine.state.finished:
+            self._cancel(mine)
+            self._finish(mine, TransferState.ABORTED, f"aborted by peer {msg.sender}: {msg.detail}")
+        elif mine is None:
+            self._unclaimed[msg.transfer_id] = (time.monotonic(), msg)
+
+    def _apply(self, t: Transfer, msg: Message) -> None:
+        if t.state.finished:
+            return
+        if msg.kind is MsgKind.DONE:
+            t.state = TransferState.DONE
+        elif msg.kind is MsgKind.RENEW:
+            t.lease_until = time.monotonic() + t.lease_s
+        elif msg.kind is MsgKind.ABORT:
+            self._finish(t, TransferState.ABORTED, f"aborted by peer {msg.sender}: {msg.detail}")
+
+    def _end_target(self, t: Transfer, state: TransferState, error: str) -> None:
+        self._finish(t, state, error)
+        # Tell the initiator, which may still be alive and writing, to stop.
+        self._send_quiet(t.peer, Message(MsgKind.ABORT, t.id, self.name, error))
+
+    def _start(self, role: Role, peer: str, local_blocks: Sequence[int],
+               remote_blocks: Sequence[int], layers: range | None,
+               transfer_id: str | None) -> Transfer:
+        desc = self.peers.get(peer)
+        if desc is None:
+            raise TransferError(f"{self.name} is not connected to {peer!r}; call connect() first")
+        layers = layers if layers is not None else range(self.layout.num_layers)
+        copies: list[Copy] = byte_runs(self.layout, desc.layout, layers, local_blocks, remote_blocks)
+        t = Transfer(transfer_id or uuid.uuid4().hex, peer, role,
+                     time.monotonic() + self.timeout_s, self.lease_s)
+        self._outgoing[t.id] = t
+        try:
+            self._post(t, copies)
+        except Exception as e:  # noqa: BLE001 - any backend error becomes a FAILED transfer
+            self._finish(t, TransferState.FAILED, f"could not start with peer {peer}: {e!r}")
+        return t
+
+    def _finish(self, t: Transfer, state: TransferState, error: str) -> None:
+        t.state, t.error = state, error
+        log.info("%s: %s %s → %s: %s", self.name, t.role.value, t.id, state.value, error)
+
+    def _send_quiet(self, peer: str, msg: Message) -> None:
+        """Control messages are best effort: the peer may be gone, which is why we send them."""
+        try:
+            self._send(peer, msg)
+        except Exception as e:  # noqa: BLE001
+            log.info("%s: %s to %s not delivered: %r", self.name, msg.kind.value, peer, e)
+
+    def _registered(self) -> torch.Tensor:
+        if self.kv is None:
+            raise TransferError(f"{self.name}: register() the KV pool first")
+        return self.kv
+
+    def _bytes(self) -> torch.Tensor:
+        """The pool as a flat uint8 tensor, the unit every run offset counts in."""
+        return self._registered().view(-1).view(torch.uint8)
+
+    # -- backend hooks -------------------------------------------------------------------
+    @abstractmethod
+    def _register(self, kv: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _address(self) -> bytes:
+        """Connection info a peer needs (NIXL agent metadata, UCX worker address, ...)."""
+
+    @abstractmethod
+    def _connect(self, peer: PoolDescriptor) -> None: ...
+
+    @abstractmethod
+    def _post(self, t: Transfer, copies: list[Copy]) -> None:
+        """Start `t`; copies are (our byte offset, the peer's byte offset, length)."""
+
+    @abstractmethod
+    def _check(self, t: Transfer) -> str | None:
+        """None while running, "" when done, else the error text."""
+
+    @abstractmethod
+    def _cancel(self, t: Transfer) -> None: ...
+
+    @abstractmethod
+    def _send(self, peer: str, msg: Message) -> None: ...
+
+    @abstractmethod
+    def _recv(self) -> list[bytes]: ...
+
+    def _on_message(self, msg: Message) -> bool:
+        """Consume a backend-internal message (DATA, ACK, READ_REQ); True if it was one."""
+        return False
+
+    def _release(self, t: Transfer) -> None:
+        """Free backend resources of a finished transfer."""
+
+    def _close(self) -> None:
+        """Free everything the backend holds."""

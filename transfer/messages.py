@@ -1,0 +1,92 @@
+"""Typed wire messages of the KV transport, encoded with msgpack (never pickle).
+
+Everything that crosses between engines is one of two types:
+- `PoolDescriptor`: what a peer needs to reach a registered KV pool (exported once, sent out of
+  band, e.g. as the return value of an actor method);
+- `Message`: a small control message (completion notice, lease renewal, abort, ...).
+Decoding validates field types, so bytes from a peer can at worst raise `MessageError`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+import msgpack
+
+from pd_cluster.kv_layout import KVLayout
+
+
+class MessageError(ValueError):
+    """Bytes from a peer that are not a well-formed message."""
+
+
+class MsgKind(Enum):
+    DONE = "done"          # the sender's transfer touching the receiver's blocks completed
+    RENEW = "renew"        # the sender is alive and still using the receiver's blocks
+    ABORT = "abort"        # the sender gave up on the transfer; free the blocks it touched
+    # Backend-internal kinds, for transports without one-sided memory access (ray, ucx):
+    DATA = "data"          # a payload follows / is attached; `runs` says where it lands
+    ACK = "ack"            # the receiver of DATA has copied it in
+    READ_REQ = "read_req"  # send me these runs of your pool (`runs`), tagged `tag`
+
+
+Run = tuple[int, int]  # (byte offset into a pool, byte length)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    kind: MsgKind
+    transfer_id: str
+    sender: str
+    detail: str = ""
+    runs: tuple[Run, ...] = ()
+    tag: int = 0
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.kind.value, self.transfer_id, self.sender, self.detail,
+                              [list(r) for r in self.runs], self.tag])
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Message":
+        try:
+            kind, tid, sender, detail, runs, tag = msgpack.unpackb(data, use_list=True)
+            msg = cls(MsgKind(kind), tid, sender, detail,
+                      tuple((int(o), int(n)) for o, n in runs), tag)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise MessageError(f"malformed transport message: {e}") from e
+        _check_types(msg, transfer_id=str, sender=str, detail=str, tag=int)
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDescriptor:
+    """How to reach a registered KV pool: backend, unique agent name, layout, base address."""
+
+    backend: str
+    agent: str
+    layout: KVLayout
+    base_addr: int
+    device_id: int              # CUDA device ordinal; 0 for host memory
+    on_gpu: bool
+    address: bytes = field(default=b"", repr=False)  # backend connection info
+
+    def encode(self) -> bytes:
+        d = asdict(self)
+        return msgpack.packb(d)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "PoolDescriptor":
+        try:
+            d = msgpack.unpackb(data)
+            desc = cls(**{**d, "layout": KVLayout(**d["layout"])})
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
+            raise MessageError(f"malformed pool descriptor: {e}") from e
+        _check_types(desc, backend=str, agent=str, base_addr=int, device_id=int, on_gpu=bool,
+                     address=bytes)
+        return desc
+
+
+def _check_types(obj: object, **types: type) -> None:
+    for name, typ in types.items():
+        if not isinstance(getattr(obj, name), typ):
+            raise MessageError(f"{type(obj).__name__}.{name} must be {typ.__name__}")
