@@ -1,0 +1,103 @@
+"""The single-process engine: requests in, streamed outputs out, one step at a time."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+from pd_cluster.config import EngineConfig, ModelConfig
+from pd_cluster.kv_cache_manager import KVCacheManager
+from pd_cluster.model_runner import ModelRunner
+from pd_cluster.output_processor import OutputProcessor
+from pd_cluster.outputs import RequestOutput
+from pd_cluster.request import Request, RequestStatus
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.scheduler import Scheduler
+from pd_cluster.tokenizer import Tokenizer, load_tokenizer
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = config.model
+        if model_dir is None:
+            from pd_cluster.default_model import default_model_path
+            model_dir = default_model_path()
+        if config.load_format != "dummy" and not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"model directory not found: {model_dir!r}")
+        self.model_dir = model_dir
+        self.model_cfg = ModelConfig.from_dir(model_dir)
+        self.max_model_len = config.max_model_len or min(self.model_cfg.max_position_embeddings,
+                                                         32768)
+        self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
+        self.runner = ModelRunner(config, model_dir, self.model_cfg, self.max_model_len,
+                                  os.path.basename(os.path.normpath(model_dir)))
+        self.kv = KVCacheManager(self.runner.kv_layout.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def kv_cache(self):
+        return self.runner.kv_cache
+
+    @property
+    def kv_layout(self):
+        return self.runner.kv_layout
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, leaving no room for output")
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room),
+                                     min_tokens=min(params.min_tokens, room))
+        need = self.kv.blocks_needed(len(token_ids) + params.max_tokens)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks but the pool has "
+                             f"{self.kv.num_blocks}; lower max_tokens or enlarge the KV cache")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        req = Request(request_id, token_ids, params, eos_token_ids=frozenset(eos))
+        self.outputs.add(req)
+        self.scheduler.add(req)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_dir!r} has no tokenizer: pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return token_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request wherever it is; its KV blocks are freed at once."""
+        req = self.scheduler.finish(request_id, RequestStatus.ABORTED, "abort")
+        return self.outputs.finalize(req) if req else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan) if not plan.is_empty else {}
+        finished = self.scheduler.update(plan, sampled)
+        return self.outputs.process(plan, finished, self.scheduler, self.runner.sampler)

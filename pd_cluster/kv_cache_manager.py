@@ -1,0 +1,84 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching, release.
+
+The scheduler sees only this class; the block pool's internals stay behind it.
+"""
+from __future__ import annotations
+
+from pd_cluster.block_pool import Block, BlockPool, hash_block
+from pd_cluster.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._blocks: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[Block], int]:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        The hit never covers the last token: that token must be computed to get logits.
+        """
+        tokens, bs = request.all_token_ids, self.block_size
+        hits: list[Block] = []
+        parent = None
+        for start in range(0, (len(tokens) - 1) // bs * bs, bs):
+            chunk = tokens[start:start + bs]
+            parent = hash_block(parent, chunk)
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     cached: list[Block] | None = None) -> bool:
+        cached = cached or []
+        have = len(self._blocks.get(request.request_id, ())) + len(cached)
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
+        # Cached blocks sitting in the free queue are about to be revived, not available.
+        revived = sum(1 for b in cached if b.ref_count == 0)
+        return need <= self.pool.num_free - revived
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 cached: list[Block] | None = None) -> None:
+        """Give the request blocks for `num_new_tokens` more tokens (call can_allocate first)."""
+        blocks = self._blocks.setdefault(request.request_id, [])
+        if cached:
+            self.pool.touch(cached)
+            blocks.extend(cached)
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        request.block_ids = [b.block_id for b in blocks]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Index every block whose tokens are now all computed, chaining hashes."""
+        if not self.pool.enable_prefix_caching:
+            return
+        blocks = self._blocks.get(request.request_id, [])
+        hashes = self._hashes.setdefault(request.request_id, [])
+        tokens, bs = request.all_token_ids, self.block_size
+        for i in range(len(hashes), min(request.num_computed_tokens // bs, len(blocks))):
+            chunk = tokens[i * bs:(i + 1) * bs]
+            hashes.append(hash_block(hashes[-1] if hashes else None, chunk))
+            self.pool.cache(blocks[i], hashes[-1], chunk)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so a prefix outlives its suffix in cache."""
+        blocks = self._blocks.pop(request.request_id, [])
+        self._hashes.pop(request.request_id, None)
+        self.pool.release(list(reversed(blocks)))
+        request.block_ids = []

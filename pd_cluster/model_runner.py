@@ -1,0 +1,121 @@
+"""Owns the model, the KV pool and the sampler; runs one scheduled step.
+
+Per step: flatten the scheduled tokens, build the attention metadata (positions, slot mapping,
+block tables, lengths), run the model, take the hidden state of each sequence that samples,
+compute its logits and sample.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
+from pd_cluster.attention.torch_backend import TorchAttentionBackend
+from pd_cluster.config import EngineConfig, ModelConfig
+from pd_cluster.forward_context import ForwardContext
+from pd_cluster.kv_layout import KVLayout
+from pd_cluster.models import ops
+from pd_cluster.models.loader import load_model
+from pd_cluster.sampler import Sampler
+from pd_cluster.scheduler import SchedulerOutput
+
+SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
+
+
+def select_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    try:
+        from pd_cluster.attention.triton_backend import TritonAttentionBackend
+    except ImportError as e:
+        raise ImportError(f"attention_backend='triton' needs Triton: pip install triton ({e})")
+    return TritonAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str | None, model_cfg: ModelConfig,
+                 max_model_len: int, model_name: str):
+        self.config, self.model_cfg = config, model_cfg
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(model_cfg)
+        self.block_size = config.block_size
+        self.backend = select_backend(config, self.device)
+        ops.use_triton(self.backend.name == "triton")
+        self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
+                                config.load_format, config.seed)
+        self.kv_layout = KVLayout(model=model_name, dtype=str(self.dtype).removeprefix("torch."),
+                                  num_layers=model_cfg.num_layers,
+                                  num_blocks=self._num_blocks(max_model_len),
+                                  block_size=self.block_size, num_kv_heads=model_cfg.num_kv_heads,
+                                  head_dim=model_cfg.head_dim)
+        self.kv_cache = self.kv_layout.allocate(self.device)
+        self.sampler = Sampler(self.device)
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        c, m = self.config, self.model_cfg
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        bytes_per_block = (2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim
+                           * self.dtype.itemsize)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of a full token budget (logits dominate at large vocab).
+            reserve = c.max_num_batched_tokens * (8 * m.hidden_size + 2 * m.intermediate_size) * 4
+            budget = total * c.gpu_memory_utilization - (total - free) - reserve
+        else:
+            budget = c.kv_cache_memory_gb * 2**30
+        # No point in more blocks than max_num_seqs full-length sequences can use.
+        cap = c.max_num_seqs * -(-max_model_len // self.block_size) + 1
+        n = min(int(budget // bytes_per_block), cap)
+        if n < 2:
+            raise ValueError(f"not enough memory for the KV cache ({budget / 2**30:.2f} GiB left)")
+        return n
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput, on_layer_done=None) -> SampledTokens:
+        input_ids, positions, meta, sample_idx = self._prepare(plan)
+        ctx = ForwardContext(meta, self.kv_cache, self.backend, on_layer_done)
+        hidden = self.model(input_ids, positions, ctx)
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_idx])
+        results = self.sampler(logits, sampling)
+        return {r.request_id: res for r, res in zip(sampling, results)}
+
+    def _prepare(self, plan: SchedulerOutput):
+        bs = self.block_size
+        ids, pos, slots, q_start, seq_lens, sample_idx = [], [], [], [0], [], []
+        max_blocks = max(len(s.request.block_ids) for s in plan.scheduled)
+        tables = np.zeros((len(plan.scheduled), max_blocks), dtype=np.int32)
+        for i, s in enumerate(plan.scheduled):
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_tokens
+            ids.extend(req.all_token_ids[start:end])
+            p = np.arange(start, end)
+            pos.append(p)
+            table = np.asarray(req.block_ids, dtype=np.int64)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables[i, :len(table)] = table
+            q_start.append(q_start[-1] + s.num_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                sample_idx.append(q_start[-1] - 1)
+        num_decodes = 0
+        while num_decodes < len(plan.scheduled) and plan.scheduled[num_decodes].num_tokens == 1:
+            num_decodes += 1
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            max_query_len=max(s.num_tokens for s in plan.scheduled), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=q_start, seq_lens_cpu=seq_lens)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos)).to(dev)
+        return input_ids, positions, meta, torch.tensor(sample_idx, dtype=torch.long, device=dev)

@@ -1,0 +1,48 @@
+"""Builds a model on its device and fills it from safetensors files or random values."""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from pd_cluster.config import ModelConfig
+from pd_cluster.models.llama import LlamaForCausalLM
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every (possibly sharded) *.safetensors file in the directory."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir!r} "
+                                f"(use load_format='dummy' for random weights)")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    # Small normal weights keep activations sane through many layers; norms stay at 1.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.02, generator=gen)
+
+
+def load_model(model_dir: str | None, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+               device: torch.device, load_format: str, seed: int) -> LlamaForCausalLM:
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if load_format == "dummy":
+        _init_dummy(model, seed, device)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
+    return model.eval()

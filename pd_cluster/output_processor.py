@@ -1,0 +1,90 @@
+"""Turns sampled tokens into streamed text: detokenization, stop strings, final outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pd_cluster.outputs import CompletionOutput, RequestOutput
+from pd_cluster.request import Request, RequestStatus
+from pd_cluster.sampler import Sampler
+from pd_cluster.scheduler import Scheduler, SchedulerOutput
+from pd_cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+
+@dataclass(slots=True)
+class _Stream:
+    detok: IncrementalDetokenizer | None
+    stops: StopChecker
+    num_sent_tokens: int = 0
+    text: str = ""
+    pending: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+        self._requests: dict[str, Request] = {}
+
+    def add(self, req: Request) -> None:
+        detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+                 if self.tokenizer else None)
+        # Stop strings only count once min_tokens are out, so the checker starts empty then.
+        stops = StopChecker([] if req.params.min_tokens else req.params.stop)
+        self._streams[req.request_id] = _Stream(detok, stops)
+        self._requests[req.request_id] = req
+
+    def process(self, plan: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
+                sampler: Sampler) -> list[RequestOutput]:
+        """Outputs of every request that got a token this step, finishing on stop strings."""
+        outs = []
+        ended = {r.request_id for r in finished}
+        for s in plan.scheduled:
+            req = s.request
+            if not s.samples:
+                continue
+            if req.request_id not in ended and self._hit_stop_string(req):
+                scheduler.finish(req.request_id, RequestStatus.FINISHED, "stop")
+            if req.is_finished:
+                sampler.forget(req.request_id)
+                outs.append(self.finalize(req))
+            else:
+                outs.append(self._output(req))
+        return outs
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        stream = self._streams[req.request_id]
+        new_tokens = req.output_token_ids[stream.num_sent_tokens:]
+        stream.num_sent_tokens = len(req.output_token_ids)
+        if stream.detok is None:
+            return False
+        if (not stream.stops.stop_strings and req.params.stop
+                and len(req.output_token_ids) >= req.params.min_tokens):
+            stream.stops = StopChecker(req.params.stop)
+        stream.pending.append(stream.stops.append(stream.detok.add(new_tokens)))
+        return stream.stops.stopped
+
+    def _output(self, req: Request, finished: bool = False) -> RequestOutput:
+        stream = self._streams[req.request_id]
+        delta = "".join(stream.pending)
+        stream.pending.clear()
+        stream.text += delta
+        tokens = list(req.output_token_ids)
+        done = CompletionOutput(0, stream.text, tokens,
+                                list(req.output_logprobs) if req.params.logprobs is not None
+                                else None, req.finish_reason, req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt_token_ids, [done], finished,
+                             max(req.num_cached_tokens, 0), delta, tokens[-1:] if tokens else [],
+                             req.error)
+
+    def finalize(self, req: Request) -> RequestOutput:
+        """The last output of a finished request; forgets its streaming state."""
+        stream = self._streams[req.request_id]
+        if stream.detok is not None:
+            if req.output_token_ids[stream.num_sent_tokens:]:
+                self._hit_stop_string(req)
+            if not stream.stops.stopped:
+                stream.pending.append(stream.stops.append(stream.detok.flush())
+                                      + stream.stops.flush())
+        out = self._output(req, finished=True)
+        del self._streams[req.request_id], self._requests[req.request_id]
+        return out

@@ -1,0 +1,26 @@
+"""What the engine reports per step: typed, and cheap to send between processes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""                                       # everything generated so far
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None                     # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None                 # the stop token id or stop string hit
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    delta_text: str = ""                                 # new text since the previous output
+    delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None

@@ -1,0 +1,64 @@
+"""Per-request sampling parameters, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop; field names follow vLLM and OpenAI.
+
+    `temperature=0` is greedy. `top_k=0` (or -1), `top_p=1` and `min_p=0` disable those filters.
+    `logprobs=n` returns the sampled token's log-probability and the top n alternatives.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be -1, 0 or positive"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             "must be an integer >= 1"),
+            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens,
+             "must be an integer >= 0"),
+            ("min_tokens", self.min_tokens <= self.max_tokens, "must not exceed max_tokens"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
+                                                  and 0 <= self.logprobs <= 20),
+             "must be an integer in [0, 20]"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop),
+             "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative integers"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1

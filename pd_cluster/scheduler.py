@@ -1,0 +1,152 @@
+"""Continuous batching under a per-step token budget: decodes first, then chunked prefills.
+
+Every request is "N tokens known, C computed"; a step computes some of the N - C. A decode is
+the case N - C == 1. When the pool runs dry, the most recently admitted running request is
+preempted: its blocks are freed and it is recomputed later from prompt + generated tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pd_cluster.kv_cache_manager import KVCacheManager
+from pd_cluster.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int       # tokens computed this step
+    samples: bool         # this step reaches the end of the known tokens, so it samples
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The plan of one step, decodes first (what the attention metadata relies on)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # freed this step, will recompute
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None = None):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # Decodes first, then prefills already under way; preemption only ever hits `running`.
+        for decoding in (True, False):
+            for req in [r for r in self.running if self._is_decode(r) == decoding]:
+                if req not in self.running:  # preempted earlier in this loop
+                    continue
+                n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_prefill_chunk)
+                if n > 0 and self._make_room(req, n, out):
+                    self.kv.allocate(req, n)
+                    out.scheduled.append(self._plan(req, n))
+                    budget -= n
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached, num_cached = self.kv.find_cached_prefix(req)
+            n = min(req.num_tokens - num_cached, budget, self.max_prefill_chunk)
+            if not self.kv.can_allocate(req, n, cached):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            self.kv.allocate(req, n, cached)
+            self.running.append(req)
+            out.scheduled.append(self._plan(req, n))
+            budget -= n
+        return budget
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `req` fits; False if `req` itself went."""
+        while not self.kv.can_allocate(req, n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.move_to(RequestStatus.WAITING)
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+
+    def _plan(self, req: Request, n: int) -> ScheduledRequest:
+        samples = req.num_computed_tokens + n == req.num_tokens
+        if req.status is not RequestStatus.RUNNING:
+            req.move_to(RequestStatus.RUNNING if samples else RequestStatus.PREFILLING)
+        return ScheduledRequest(req, n, samples)
+
+    @staticmethod
+    def _is_decode(req: Request) -> bool:
+        return req.num_tokens - req.num_computed_tokens == 1
+
+    def update(self, out: SchedulerOutput,
+               sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
+        """Record computed tokens and sampled ones; returns the requests that finished."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_tokens
+            self.kv.cache_computed_blocks(req)
+            if s.samples:
+                token, logprobs = sampled[req.request_id]
+                req.append_token(token, logprobs)
+                if req.check_stop():
+                    self._remove(req)
+                    finished.append(req)
+        return finished
+
+    def finish(self, request_id: str, status: RequestStatus, reason: str,
+               error: str | None = None) -> Request | None:
+        """End a request from outside (abort, stop string, failure); frees its blocks."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        req.finish(status, reason, error=error)
+        self._remove(req)
+        return req
+
+    def _remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)

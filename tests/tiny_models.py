@@ -1,0 +1,40 @@
+"""Tiny random Hugging Face checkpoints of each supported family, saved with transformers."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 512
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=512, initializer_range=0.2)
+
+# name -> (config class, model class, extra config)
+FAMILIES = {
+    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(num_key_value_heads=2, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64})),
+    "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "qwen3_qknorm": ("Qwen3Config", "Qwen3ForCausalLM",
+                     dict(num_key_value_heads=2, head_dim=32, num_hidden_layers=3)),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1,
+                                                             sliding_window=None)),
+}
+
+
+def make_tiny_model(family: str, root: str) -> str:
+    """Save a random tiny model of `family` under `root` (once) and return its directory."""
+    import transformers
+
+    path = os.path.join(root, family)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, cfg_cls)(**{**_COMMON, **extra})
+    torch.manual_seed(hash(family) % 1000)
+    model = getattr(transformers, model_cls)(config)
+    model.save_pretrained(path)
+    return path
