@@ -1,0 +1,39 @@
+"""Triton attention backend: the `kernels` package behind the AttentionBackend protocol.
+
+One forward stores the new K/V (kv_store), then runs split-KV decode attention on the leading
+`num_decode_tokens` tokens and varlen paged prefill attention on the rest; either part may be
+empty. Needs a GPU, or TRITON_INTERPRET=1 on CPU (slow: tests only).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.decode_attention import decode_attention
+from kernels.kv_store import kv_store
+from kernels.prefill_attention import prefill_attention
+from pd_cluster.attention.base import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    """Paged attention with Triton kernels; same results as TorchAttentionBackend."""
+
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes > 0:
+            decode_attention(q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
+                             meta.seq_lens[:num_decodes], scale,
+                             max_seq_len=max(meta.seq_lens_cpu[:num_decodes]),
+                             out=out[:num_decodes])
+        if q.shape[0] > num_decodes:
+            # Prefill sequences follow the decodes; rebase their offsets to q[num_decodes:].
+            prefill_attention(q[num_decodes:], k_cache, v_cache,
+                              meta.block_tables[meta.num_decodes:],
+                              meta.seq_lens[meta.num_decodes:],
+                              meta.query_start_loc[meta.num_decodes:] - num_decodes,
+                              meta.max_query_len, scale, out=out[num_decodes:])
+        return out

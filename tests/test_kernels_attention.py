@@ -1,0 +1,120 @@
+"""Paged decode and prefill attention kernels against the fp32 torch reference.
+
+Without a GPU they run under TRITON_INTERPRET=1 on CPU in fp32 (the interpreter's tl.dot is
+wrong on bf16), on tiny shapes. With a GPU, the same cases run in bf16, plus real shapes.
+bf16 tolerance: P is rounded to bf16 before the P @ V product and the output is bf16, so
+|out - ref| stays within about 1e-2 for unit-variance V; we allow atol = rtol = 2e-2.
+"""
+from kernels.testing import use_interpreter_without_gpu
+
+INTERPRETED = use_interpreter_without_gpu()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from kernels.prefill_attention import prefill_attention  # noqa: E402
+from kernels.reference import decode_attention_ref, paged_attention_ref  # noqa: E402
+
+DEVICE = "cpu" if INTERPRETED else "cuda"
+DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
+TOL = 1e-4 if INTERPRETED else 2e-2
+gpu_only = pytest.mark.skipif(INTERPRETED, reason="real shapes need a CUDA GPU")
+
+
+def paged_kv(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype = DTYPE, device: str = DEVICE):
+    """Random K/V caches and a block table giving each sequence shuffled blocks."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2  # spare blocks that no sequence owns
+    order = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        table[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, dtype=dtype, device=device) for _ in range(2))
+    return k_cache, v_cache, table.to(device)
+
+
+def check_decode(seq_lens, block_size, num_heads, num_kv_heads, head_dim, **knobs):
+    k_cache, v_cache, table = paged_kv(seq_lens, block_size, num_kv_heads, head_dim)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=DTYPE, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    out = decode_attention(q, k_cache, v_cache, table, lens, scale, max(seq_lens), **knobs)
+    ref = decode_attention_ref(q, k_cache, v_cache, table, lens, scale)
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+
+
+def check_prefill(cached_and_new, block_size, num_heads, num_kv_heads, head_dim, **knobs):
+    seq_lens = [c + n for c, n in cached_and_new]
+    k_cache, v_cache, table = paged_kv(seq_lens, block_size, num_kv_heads, head_dim)
+    q_lens = [n for _, n in cached_and_new]
+    starts = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=DTYPE, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    out = prefill_attention(q, k_cache, v_cache, table, lens, starts, max(q_lens), scale,
+                            **knobs)
+    ref = paged_attention_ref(q, k_cache, v_cache, table, lens, starts, scale)
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+
+
+# Contexts 1..100 are not multiples of the block size; block_n against block_size covers a
+# tile inside one block, a tile equal to it and tiles spanning 2 and 4 blocks.
+@pytest.mark.parametrize("head_dim,block_size,num_heads,num_kv_heads,block_n,num_splits", [
+    (64, 16, 8, 2, 16, 3),     # GQA 4, several tiles per split
+    (128, 32, 4, 4, 16, 2),    # MHA, tile inside a block
+    (64, 16, 8, 1, 32, 8),     # MQA; short sequences leave trailing splits empty
+    (128, 16, 4, 2, 64, None),  # launcher picks the split count
+])
+def test_decode_attention_matches_reference(head_dim, block_size, num_heads, num_kv_heads,
+                                            block_n, num_splits):
+    check_decode([1, 37, 100, 70], block_size, num_heads, num_kv_heads, head_dim,
+                 block_n=block_n, num_splits=num_splits)
+
+
+def test_num_splits_fill_the_gpu_but_stay_long_enough():
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 64
+    assert choose_num_splits(batch=64, num_kv_heads=8, max_seq_len=4096, num_sms=132) == 2
+    assert choose_num_splits(batch=4, num_kv_heads=8, max_seq_len=1000, num_sms=132) == 4
+    assert choose_num_splits(batch=256, num_kv_heads=8, max_seq_len=4096, num_sms=132) == 1
+
+
+# (cached prefix, new tokens) per sequence: a fresh prompt, chunks after cached prefixes
+# (block aligned and not), a one-token chunk, and chunks longer than one query tile.
+@pytest.mark.parametrize("head_dim,block_size,num_heads,num_kv_heads,block_m,block_n", [
+    (64, 16, 4, 2, 16, 16),
+    (128, 32, 4, 1, 16, 32),
+    (64, 32, 2, 2, 32, 16),
+])
+def test_prefill_attention_with_cached_prefix_matches_reference(
+        head_dim, block_size, num_heads, num_kv_heads, block_m, block_n):
+    check_prefill([(0, 37), (32, 13), (17, 1), (45, 20)], block_size, num_heads,
+                  num_kv_heads, head_dim, block_m=block_m, block_n=block_n)
+
+
+def test_empty_batches_launch_nothing():
+    k_cache, v_cache, table = paged_kv([5], 16, 2, 64)
+    empty = torch.empty(0, 4, 64, dtype=DTYPE, device=DEVICE)
+    no_lens = torch.empty(0, dtype=torch.int32, device=DEVICE)
+    assert decode_attention(empty, k_cache, v_cache, table[:0], no_lens, 1.0, 0).shape[0] == 0
+    starts = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out = prefill_attention(empty, k_cache, v_cache, table[:0], no_lens, starts, 0, 1.0)
+    assert out.shape[0] == 0
+
+
+@gpu_only
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_decode_attention_at_real_shapes(block_size, head_dim):
+    seq_lens = torch.randint(1, 4097, (24,)).tolist()
+    check_decode(seq_lens, block_size, 32, 8, head_dim)
+
+
+@gpu_only
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_prefill_attention_at_real_shapes(block_size, head_dim):
+    check_prefill([(0, 1000), (700, 300), (2048, 1), (96, 517)], block_size, 32, 8, head_dim)
