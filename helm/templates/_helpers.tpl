@@ -1,0 +1,222 @@
+{{/* Names and labels. */}}
+{{- define "pd-cluster.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pd-cluster.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else if contains (include "pd-cluster.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "pd-cluster.name" .) | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pd-cluster.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pd-cluster.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pd-cluster.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "pd-cluster.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "pd-cluster.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Engine roles rendered: prefill only outside colocated mode. */}}
+{{- define "pd-cluster.roles" -}}
+{{- if eq .Values.mode "colocated" }}["decode"]{{ else }}["prefill", "decode"]{{ end -}}
+{{- end -}}
+
+{{/* Pods of a worker group: ceil(replicas / replicasPerPod). Call with the pool's values. */}}
+{{- define "pd-cluster.pods" -}}
+{{- $per := int .replicasPerPod -}}
+{{- div (add (int .replicas) (sub $per 1)) $per -}}
+{{- end -}}
+
+{{/* Ray actor options of one engine replica; the 0.01 share of the pool's custom resource
+     is router.app_config.POOL_SHARE: it pins the replica to its pool, GPUs limit packing. */}}
+{{- define "pd-cluster.replicaResources" -}}
+{{- $pool := index .root.Values .role -}}
+{{- toYaml (dict "num_gpus" (int $pool.gpusPerReplica) "num_cpus" (float64 $pool.cpusPerReplica) "resources" (dict .role 0.01)) -}}
+{{- end -}}
+
+{{/* The application's args: every key is an AppConfig field (router/app_config.py). */}}
+{{- define "pd-cluster.appArgs" -}}
+{{- $v := .Values -}}
+{{- $e := $v.engine -}}
+{{- $args := dict "model" $v.model "mode" $v.mode "transport" $v.transport
+      "num_decode" (int $v.decode.replicas)
+      "decode_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "decode") | fromYaml)
+      "block_size" (int $e.blockSize) "dtype" $e.dtype
+      "max_num_seqs" (int $e.maxNumSeqs) "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
+      "conditional_disagg_threshold" (int $e.conditionalDisaggThreshold)
+      "prefill_failure_policy" $e.prefillFailurePolicy "load_format" $e.loadFormat
+      "routing" (dict "policy" $v.routing.policy "prefill_weight" (float64 $v.routing.prefillWeight)) -}}
+{{- if ne $v.mode "colocated" -}}
+{{- $_ := set $args "num_prefill" (int $v.prefill.replicas) -}}
+{{- $_ := set $args "prefill_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "prefill") | fromYaml) -}}
+{{- end -}}
+{{- if $e.maxModelLen -}}
+{{- $_ := set $args "max_model_len" (int $e.maxModelLen) -}}
+{{- end -}}
+{{- $limits := dict "max_tokens" (int $v.limits.maxTokens) "max_queue" (int $v.limits.maxQueue) "request_timeout_s" (float64 $v.limits.requestTimeoutS) -}}
+{{- if $v.limits.maxPromptTokens -}}
+{{- $_ := set $limits "max_prompt_tokens" (int $v.limits.maxPromptTokens) -}}
+{{- end -}}
+{{- $_ := set $args "limits" $limits -}}
+{{- if $v.apiKey.secretName -}}
+{{- $_ := set $args "api_key_env" $v.apiKey.envName -}}
+{{- end -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* The Serve config file (same shape as configs/pd.yaml). */}}
+{{- define "pd-cluster.serveConfig" -}}
+proxy_location: EveryNode
+http_options:
+  host: 0.0.0.0
+  port: {{ int .Values.service.port }}
+applications:
+  - name: pd
+    route_prefix: /
+    import_path: router.app:build_app
+    args:
+      {{- include "pd-cluster.appArgs" . | nindent 6 }}
+{{- end -}}
+
+{{/* UCX_TLS: RDMA verbs when RDMA is on, CUDA copies when engines use GPUs; tcp always
+     stays in the list (UCX's wire-up and the fallback between hosts). */}}
+{{- define "pd-cluster.ucxTls" -}}
+{{- if .Values.ucx.tls -}}
+{{- .Values.ucx.tls -}}
+{{- else -}}
+{{- $tls := list -}}
+{{- if .Values.rdma.enabled }}{{ $tls = append $tls "rc" }}{{ end -}}
+{{- if gt (add (int .Values.prefill.gpusPerReplica) (int .Values.decode.gpusPerReplica)) 0 -}}
+{{- $tls = concat $tls (list "cuda_copy" "cuda_ipc") -}}
+{{- end -}}
+{{- join "," (concat $tls (list "sm" "self" "tcp")) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Env of every Ray container. */}}
+{{- define "pd-cluster.env" -}}
+- name: UCX_TLS
+  value: {{ include "pd-cluster.ucxTls" . | quote }}
+{{- with .Values.ucx.netDevices }}
+- name: UCX_NET_DEVICES
+  value: {{ . | quote }}
+{{- end }}
+{{- range $name, $value := .Values.ucx.env }}
+- name: {{ $name }}
+  value: {{ $value | toString | quote }}
+{{- end }}
+- name: XDG_CACHE_HOME
+  value: /home/ray/.cache
+- name: TRITON_CACHE_DIR
+  value: /home/ray/.cache/triton
+{{- if .Values.apiKey.secretName }}
+- name: {{ .Values.apiKey.envName }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.secretName }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Container security context; RDMA adds back only IPC_LOCK (memory registration pins). */}}
+{{- define "pd-cluster.containerSecurityContext" -}}
+{{- $ctx := deepCopy .root.Values.containerSecurityContext -}}
+{{- if and .engine .root.Values.rdma.enabled -}}
+{{- $caps := default dict $ctx.capabilities -}}
+{{- $_ := set $caps "add" (list "IPC_LOCK") -}}
+{{- $_ := set $ctx "capabilities" $caps -}}
+{{- end -}}
+{{- toYaml $ctx -}}
+{{- end -}}
+
+{{/* Pod template of a Ray node. Args: root, name (container), pool (values), engine (bool:
+     a prefill/decode pod, which gets GPUs, RDMA and /dev/shm), role. */}}
+{{- define "pd-cluster.podTemplate" -}}
+{{- $root := .root -}}
+{{- $pool := .pool -}}
+metadata:
+  labels:
+    {{- include "pd-cluster.selectorLabels" $root | nindent 4 }}
+    pd-cluster/role: {{ .role }}
+spec:
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  {{- with $pool.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $pool.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $pool.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .name }}
+      image: {{ include "pd-cluster.image" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      securityContext:
+        {{- include "pd-cluster.containerSecurityContext" (dict "root" $root "engine" .engine) | nindent 8 }}
+      env:
+        {{- include "pd-cluster.env" $root | nindent 8 }}
+      ports:
+        - {containerPort: 8000, name: serve}
+        - {containerPort: 8080, name: metrics}
+        {{- if not .engine }}
+        - {containerPort: 6379, name: gcs}
+        - {containerPort: 8265, name: dashboard}
+        - {containerPort: 10001, name: client}
+        {{- end }}
+      resources:
+        {{- $res := deepCopy (default dict $pool.resources) -}}
+        {{- if .engine -}}
+        {{- $gpus := mul (int $pool.gpusPerReplica) (int $pool.replicasPerPod) -}}
+        {{- $extra := dict -}}
+        {{- if gt $gpus 0 }}{{ $_ := set $extra "nvidia.com/gpu" $gpus }}{{ end -}}
+        {{- if $root.Values.rdma.enabled }}{{ $_ := set $extra $root.Values.rdma.resourceName (int $root.Values.rdma.count) }}{{ end -}}
+        {{- range $kind := list "requests" "limits" -}}
+        {{- $_ := set $res $kind (merge (default dict (index $res $kind)) $extra) -}}
+        {{- end -}}
+        {{- end }}
+        {{- toYaml $res | nindent 8 }}
+      volumeMounts:
+        - {name: tmp, mountPath: /tmp}
+        - {name: cache, mountPath: /home/ray/.cache}
+        {{- if .engine }}
+        - {name: dshm, mountPath: /dev/shm}
+        {{- end }}
+  volumes:
+    - {name: tmp, emptyDir: {}}
+    - {name: cache, emptyDir: {}}
+    {{- if .engine }}
+    - name: dshm
+      emptyDir: {medium: Memory, sizeLimit: {{ $pool.shmSize }}}
+    {{- end }}
+{{- end -}}
+
+{{/* KubeRay's rayStartParams value for custom resources: a shell-quoted JSON object. */}}
+{{- define "pd-cluster.rayResources" -}}
+{{- toJson (dict .role (int .pool.replicasPerPod)) | quote | squote -}}
+{{- end -}}
