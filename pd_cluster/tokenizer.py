@@ -41,7 +41,7 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with special tokens (e.g. BOS) added as the tokenizer does by default."""
+        """Token ids of `text`, with special tokens (e.g. BOS) added as the tokenizer's default."""
         return list(self.hf.encode(text))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
