@@ -14,7 +14,7 @@ from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
 from transfer.registry import make_transport
 from transfer.runs import block_runs, byte_runs
 
-BACKENDS = ["local", "nixl"]
+BACKENDS = ["local", "nixl", "ucx"]
 
 
 def test_runs_merge_blocks_contiguous_on_both_sides() -> None:
@@ -58,6 +58,17 @@ def _pair(backend: str, layout_b=None, **kwargs):
     return a, b
 
 
+def wait_all(*pairs) -> None:
+    """Progress every (transport, transfer) until all end: two-sided backends (ray, ucx) need
+    the target to progress too, as its owner's loop does in an engine."""
+    deadline = time.monotonic() + 10
+    while not all([tr.poll(t).finished for tr, t in pairs]):
+        assert time.monotonic() < deadline, [t.state for _, t in pairs]
+        time.sleep(1e-3)
+    for _, t in pairs:
+        t.raise_if_failed()
+
+
 @pytest.fixture(params=BACKENDS)
 def pair(request):
     a, b = _pair(request.param)
@@ -73,17 +84,18 @@ def test_write_then_read_are_byte_exact_and_notify_the_target(pair) -> None:
     src, dst = [3, 4, 5, 6, 10, 11], [0, 1, 2, 7, 8, 20]
     target = b.expect(a.name, "w1")
     t = a.write(b.name, src, dst, transfer_id="w1")
-    a.wait(t)
-    b.wait(target)
+    wait_all((a, t), (b, target))
     assert torch.equal(blocks(b.kv, dst), blocks(a.kv, src))
     a.kv[:, :, src] = 0
     r = a.read(b.name, src[:3], dst[:3], layers=range(1, 2))
-    a.wait(r)
+    served = b.expect(a.name, r.id)
+    wait_all((a, r), (b, served))
     assert torch.equal(blocks(a.kv, src[:3], range(1, 2)), blocks(b.kv, dst[:3], range(1, 2)))
     assert torch.count_nonzero(blocks(a.kv, src[:3], range(0, 1))) == 0
     for x in (t, r):
         a.release(x)
-    b.release(target)
+    for x in (target, served):
+        b.release(x)
     assert a.in_flight() == b.in_flight() == 0
 
 
@@ -100,7 +112,9 @@ def test_abort_ends_both_sides(pair) -> None:
     target = b.expect(a.name, "x1")
     b.abort(target, "request cancelled")
     t = a.write(b.name, [3], [0], transfer_id="x1")
-    a.progress()
+    deadline = time.monotonic() + 5
+    while a.poll(t) is TransferState.IN_FLIGHT and time.monotonic() < deadline:
+        b.progress()
     # the initiator learns of the abort whichever came first, its DONE or the peer's ABORT
     assert target.state is TransferState.ABORTED
     assert t.state in (TransferState.ABORTED, TransferState.DONE)

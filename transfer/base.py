@@ -267,6 +267,10 @@ class KVTransport(ABC):
         t = Transfer(transfer_id or uuid.uuid4().hex, peer, role,
                      time.monotonic() + self.timeout_s, self.lease_s)
         self._outgoing[t.id] = t
+        early = self._unclaimed.pop(t.id, (0, None))[1]
+        if early is not None and early.kind is MsgKind.ABORT:  # the peer gave up already
+            self._finish(t, TransferState.ABORTED, f"aborted by peer {peer}: {early.detail}")
+            return t
         try:
             self._post(t, copies)
         except Exception as e:  # noqa: BLE001 - any backend error becomes a FAILED transfer

@@ -1,0 +1,178 @@
+"""Ray object-store transport: the universal fallback (any node, any device, no RDMA).
+
+Ray has no one-sided access to another process's memory, so each transport owns a small
+mailbox actor and both sides progress:
+
+    write: put(our runs) → peer mailbox: DATA(runs, ref) → peer copies in → our mailbox: ACK
+    read:  peer mailbox: READ_REQ(runs) → peer puts its runs → our mailbox: DATA(ref) → copy in
+
+Host payloads are lists of numpy views: `ray.put` copies them into the object store once and
+`ray.get` on the same node returns read-only zero-copy views, so a host hop is two memcpys.
+The mailbox belongs to its transport's process, so when that process dies, deliveries to it
+fail, which is how the peer learns of the death.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import ray
+import torch
+
+from transfer.base import KVTransport, Role, Transfer
+from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
+from transfer.runs import Copy
+
+_DONE = "done"
+
+
+@ray.remote(num_cpus=0)
+class _Mailbox:
+    """A transport's inbox: peers deliver (message, payload refs); the owner drains."""
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[bytes, list]] = []
+
+    def deliver(self, msg: bytes, refs: list) -> None:
+        self.queue.append((msg, refs))  # refs nested in a list stay refs (not fetched here)
+
+    def drain(self) -> list[tuple[bytes, list]]:
+        queue, self.queue = self.queue, []
+        return queue
+
+
+class RayTransport(KVTransport):
+    backend = "ray"
+
+    def __init__(self, name: str | None = None, **kwargs):
+        super().__init__(name, **kwargs)
+        self._mailbox = None
+        self._mailboxes: dict[str, ray.actor.ActorHandle] = {}
+        self._refs: dict[str, list] = {}                 # transfer id → payload refs received
+        self._sends: list[tuple[str, ray.ObjectRef]] = []  # deliveries not yet confirmed
+        self._dead: dict[str, str] = {}                  # peer → why we think it died
+        self._errors: dict[str, str] = {}                # our transfer id → why it failed
+
+    def _register(self, kv: torch.Tensor) -> None:
+        ns = ray.get_runtime_context().namespace
+        self._mailbox_name = f"{ns}/pdkv-mailbox-{self.name}"
+        self._mailbox = _Mailbox.options(name=f"pdkv-mailbox-{self.name}", namespace=ns).remote()
+        self._host = None if kv.is_cuda else self._bytes().numpy()
+
+    def _address(self) -> bytes:
+        return self._mailbox_name.encode()
+
+    def _connect(self, peer: PoolDescriptor) -> None:
+        ns, _, name = peer.address.decode().partition("/")
+        self._mailboxes[peer.agent] = ray.get_actor(name, namespace=ns)
+
+    def _post(self, t: Transfer, copies: list[Copy]) -> None:
+        if t.role is Role.WRITE:
+            t.handle = ray.put([self._view(off, n) for off, _, n in copies])
+            self._deliver(t.peer, Message(MsgKind.DATA, t.id, self.name,
+                                          runs=tuple((r, n) for _, r, n in copies)), [t.handle])
+        else:
+            t.handle = [(off, n) for off, _, n in copies]
+            self._deliver(t.peer, Message(MsgKind.READ_REQ, t.id, self.name,
+                                          runs=tuple((r, n) for _, r, n in copies)), [])
+
+    def _check(self, t: Transfer) -> str | None:
+        if t.handle is _DONE:
+            return ""
+        return self._errors.pop(t.id, None) or self._dead.get(t.peer)
+
+    def _cancel(self, t: Transfer) -> None:
+        t.handle = None  # drops our reference to the payload
+
+    def _send(self, peer: str, msg: Message) -> None:
+        self._deliver(peer, msg, [])
+
+    def _deliver(self, peer: str, msg: Message, refs: list) -> None:
+        self._sends.append((peer, self._mailboxes[peer].deliver.remote(msg.encode(), refs)))
+
+    def _recv(self) -> list[bytes]:
+        self._note_failed_deliveries()
+        out = []
+        for raw, refs in ray.get(self._mailbox.drain.remote(), timeout=self.timeout_s):
+            if refs:
+                try:
+                    self._refs[Message.decode(raw).transfer_id] = refs
+                except MessageError:
+                    continue
+            out.append(raw)
+        return out
+
+    def _note_failed_deliveries(self) -> None:
+        if not self._sends:
+            return
+        refs = [r for _, r in self._sends]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready = set(ready)
+        for peer, ref in self._sends:
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayError) as e:
+                    self._dead[peer] = f"peer process died ({type(e).__name__})"
+        self._sends = [(p, r) for p, r in self._sends if r not in ready]
+
+    def _on_message(self, msg: Message) -> bool:
+        mine = self._outgoing.get(msg.transfer_id)
+        if msg.kind is MsgKind.ACK and mine is not None:
+            mine.handle = _DONE
+        elif msg.kind is MsgKind.DATA and mine is not None and mine.role is Role.READ:
+            try:
+                self._copy_in(mine.handle, self._refs.pop(msg.transfer_id, []))
+                mine.handle = _DONE
+            except ray.exceptions.RayError as e:
+                self._errors[mine.id] = f"payload lost, peer process died? ({type(e).__name__})"
+        elif msg.kind is MsgKind.DATA:
+            self._receive_write(msg)
+        elif msg.kind is MsgKind.READ_REQ:
+            self._check_runs(msg.runs)
+            payload = ray.put([self._view(off, n) for off, n in msg.runs])
+            self._deliver(msg.sender, Message(MsgKind.DATA, msg.transfer_id, self.name), [payload])
+            # Our blocks are free to reuse once their bytes are in the object store.
+            self._dispatch(Message(MsgKind.DONE, msg.transfer_id, msg.sender))
+        else:
+            return False
+        return True
+
+    def _receive_write(self, msg: Message) -> None:
+        try:
+            self._copy_in(msg.runs, self._refs.pop(msg.transfer_id, []))
+        except ray.exceptions.RayError as e:
+            self._dispatch(Message(MsgKind.ABORT, msg.transfer_id, msg.sender,
+                                   f"payload lost, peer process died? ({type(e).__name__})"))
+            return
+        self._send(msg.sender, Message(MsgKind.ACK, msg.transfer_id, self.name))
+        self._dispatch(Message(MsgKind.DONE, msg.transfer_id, msg.sender))
+
+    def _view(self, off: int, n: int) -> np.ndarray:
+        if self._host is not None:
+            return self._host[off:off + n]
+        return self._bytes()[off:off + n].cpu().numpy()
+
+    def _copy_in(self, runs, refs: list) -> None:
+        arrays = ray.get(refs[0], timeout=self.timeout_s) if refs else []
+        self._check_runs(runs)
+        if len(arrays) != len(runs) or any(a.nbytes != n for a, (_, n) in zip(arrays, runs)):
+            raise MessageError("payload does not match its runs")
+        for (off, n), arr in zip(runs, arrays):
+            if self._host is not None:
+                self._host[off:off + n] = arr
+            else:
+                with warnings.catch_warnings():  # read-only store views are only read here
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._bytes()[off:off + n].copy_(torch.from_numpy(arr), non_blocking=True)
+
+    def _check_runs(self, runs) -> None:
+        """Offsets come from a peer: never let them reach outside our pool."""
+        size = self._bytes().numel()
+        if any(off < 0 or n < 0 or off + n > size for off, n in runs):
+            raise MessageError(f"runs outside the {size}-byte pool")
+
+    def _close(self) -> None:
+        if self._mailbox is not None:
+            ray.kill(self._mailbox)
+            self._mailbox = None
