@@ -55,13 +55,15 @@ class _Reader:
 
     def string(self, key: str, default: str | None) -> str | None:
         value = self.args.get(key, default)
-        if value is not None and (not isinstance(value, str) or not value.strip()):
+        if value is None and default is None:       # an optional field left unset
+            return None
+        if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{self.name(key)}: expected a non-empty string, got {value!r}")
         return value
 
     def integer(self, key: str, default: int | None, minimum: int) -> int | None:
         value = self.args.get(key, default)
-        if value is None:
+        if value is None and default is None:       # an optional field left unset
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{self.name(key)}: expected an integer >= {minimum}, got {value!r}")

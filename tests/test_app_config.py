@@ -49,6 +49,8 @@ def test_colocated_mode_defaults_to_no_prefill_replicas():
     ({"num_decode": True}, "num_decode:"),
     ({"num_decode": 1.5}, "num_decode:"),
     ({"model": ""}, "model:"),
+    ({"model": None}, "model:"),
+    ({"num_decode": None}, "num_decode:"),
     ({"block_size": 12}, "block_size:"),
     ({"dtype": "fp8"}, "dtype:"),
     ({"prefill_failure_policy": "retry"}, "prefill_failure_policy:"),

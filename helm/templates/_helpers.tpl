@@ -65,6 +65,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- if $e.maxModelLen -}}
 {{- $_ := set $args "max_model_len" (int $e.maxModelLen) -}}
+{{- range $key := list "maxTokens" "maxPromptTokens" -}}
+{{- $limit := index $v.limits $key -}}
+{{- if and $limit (gt (int $limit) (int $e.maxModelLen)) -}}
+{{- fail (printf "limits.%s (%d) exceeds engine.maxModelLen (%d)" $key (int $limit) (int $e.maxModelLen)) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- $limits := dict "max_tokens" (int $v.limits.maxTokens) "max_queue" (int $v.limits.maxQueue) "request_timeout_s" (float64 $v.limits.requestTimeoutS) -}}
 {{- if $v.limits.maxPromptTokens -}}
