@@ -36,6 +36,15 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters since start (for metrics and for tests that must see a mechanism fire)."""
+
+    num_preemptions: int = 0
+    prefix_queries: int = 0   # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0      # of which were found cached
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_chunk: int | None = None):
@@ -46,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -76,12 +86,15 @@ class Scheduler:
             req = self.waiting[0]
             cached, num_cached = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - num_cached, budget, self.max_prefill_chunk)
+            req.num_computed_tokens = num_cached
             if not self.kv.can_allocate(req, n, cached):
+                req.num_computed_tokens = 0
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                self.stats.prefix_queries += req.num_tokens
+                self.stats.prefix_hits += num_cached
             self.kv.allocate(req, n, cached)
             self.running.append(req)
             out.scheduled.append(self._plan(req, n))
@@ -102,6 +115,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.stats.num_preemptions += 1
         req.move_to(RequestStatus.WAITING)
         self.waiting.appendleft(req)
         out.preempted.append(req)

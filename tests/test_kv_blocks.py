@@ -1,0 +1,78 @@
+"""Block pool and KV cache manager: prefix caching, verification, eviction, accounting."""
+from pd_cluster.block_pool import BlockPool, hash_block, prefix_block_hashes
+from pd_cluster.kv_cache_manager import KVCacheManager
+from pd_cluster.request import Request
+from pd_cluster.sampling_params import SamplingParams
+
+
+def _req(rid, tokens):
+    return Request(rid, list(tokens), SamplingParams())
+
+
+def _run_prefill(kv, req):
+    cached, n = kv.find_cached_prefix(req)
+    req.num_computed_tokens = n
+    assert kv.can_allocate(req, req.num_tokens - n, cached)
+    kv.allocate(req, req.num_tokens - n, cached)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
+    return n
+
+
+def test_block_hashes_are_chained_and_stable():
+    a = prefix_block_hashes(list(range(12)), 4)
+    assert len(a) == 3
+    assert a[1] == hash_block(a[0], [4, 5, 6, 7])
+    assert prefix_block_hashes([9] + list(range(1, 12)), 4)[1] != a[1]  # parent differs
+
+
+def test_prefix_hit_reuses_blocks_but_never_covers_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = _req("a", range(12))
+    assert _run_prefill(kv, first) == 0
+    kv.free(first)
+    same = _req("b", range(12))  # identical prompt: 3 full blocks cached, last token is not
+    assert _run_prefill(kv, same) == 8
+    longer = _req("c", list(range(12)) + [99])
+    assert _run_prefill(kv, longer) == 12
+    kv.free(same), kv.free(longer)
+    assert kv.num_free_blocks == 16
+
+
+def test_hash_hit_with_different_tokens_is_rejected():
+    pool = BlockPool(4)
+    [block] = pool.allocate(1)
+    pool.cache(block, 1234, [1, 2, 3, 4])
+    assert pool.lookup(1234, [1, 2, 3, 4]) is block
+    assert pool.lookup(1234, [1, 2, 3, 5]) is None  # a collision must not be served
+
+
+def test_eviction_is_lazy_lru_and_tail_first():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    old = _req("old", [1, 2, 3, 4, 5, 6, 7])  # 4 blocks, 3 full
+    _run_prefill(kv, old)
+    kv.free(old)
+    assert kv.num_free_blocks == 6           # freed, but still cached (lazy)
+    new = _req("new", [50, 51, 52])          # needs 2 blocks: takes the 2 never-used ones
+    _run_prefill(kv, new)
+    again = _req("again", [1, 2, 3, 4, 5, 6, 9])
+    assert kv.find_cached_prefix(again)[1] == 6
+    other = _req("other", [60, 61, 62, 63, 64])   # 3 blocks: must evict 3 of old's 4
+    _run_prefill(kv, other)
+    # `old` was released tail first, so eviction took its tail and left its head block.
+    assert kv.find_cached_prefix(again)[1] == 2
+    kv.free(new), kv.free(other)
+    assert kv.num_free_blocks == 6
+
+
+def test_shared_blocks_are_ref_counted():
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    a, b = _req("a", [1, 2, 3, 4, 5]), _req("b", [1, 2, 3, 4, 6])
+    _run_prefill(kv, a)
+    assert _run_prefill(kv, b) == 4
+    assert a.block_ids[:2] == b.block_ids[:2]
+    assert kv.num_free_blocks == 8 - 4
+    kv.free(a)
+    assert kv.num_free_blocks == 8 - 3       # shared blocks still held by b
+    kv.free(b)
+    assert kv.num_free_blocks == 8
