@@ -80,7 +80,8 @@ class Transfer:
 
     def raise_if_failed(self) -> None:
         if self.state.finished and self.state is not TransferState.DONE:
-            raise TransferError(f"{self.role.value} {self.id} ({self.state.value}): {self.error}")
+            raise TransferError(f"{self.role.value} {self.id} with {self.peer} "
+                                f"({self.state.value}): {self.error}")
 
 
 class KVTransport(ABC):
@@ -219,7 +220,7 @@ class KVTransport(ABC):
         if err == "":
             t.state = TransferState.DONE
         elif err is not None:
-            self._finish(t, TransferState.FAILED, f"with peer {t.peer}: {err}")
+            self._finish(t, TransferState.FAILED, err)
         elif now > t.deadline:
             self.abort(t, f"timed out after {self.timeout_s:g}s")
             t.state = TransferState.TIMED_OUT

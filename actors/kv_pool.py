@@ -1,0 +1,286 @@
+"""DistributedKVCache: a cluster-wide pool of KV blocks in pinned host memory, keyed by prefix
+block hash (Mooncake's idea): prefill engines put blocks in, decode engines get them out.
+
+Lifecycle of a put (engine → pool):
+    begin_put(peer, keys)  → Grant: pool blocks for the keys not cached yet, reserved under a lease
+    the engine writes its blocks there with its transport, which renews the lease meanwhile
+    DONE notice            → the blocks are indexed by key (most recently used, evictable)
+    end_put(id)            → confirms (waits for the notice); an error if the put failed
+Lifecycle of a get (pool → engine):
+    begin_get(peer, keys)  → Grant: blocks of the longest cached prefix of keys, pinned under a lease
+    the engine reads them  → DONE notice → unpinned;  end_get(id) confirms
+Abort, lease expiry, a deadline or a dead peer end a put by freeing its reserved blocks and a
+get by unpinning, so nothing leaks. A progress thread polls the transport every millisecond
+or so (notices, renewals, deadlines); every method holds the one lock.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pd_cluster.kv_layout import KVLayout
+from transfer.base import KVTransport, Transfer, TransferError, TransferState
+from transfer.registry import make_transport
+
+Key = Hashable  # a prefix block hash: int or bytes
+
+
+class BlockIndex:
+    """Pool blocks by key, least recently used first; pinned blocks are never evicted.
+
+    A block is exactly one of: free, reserved (being written, not yet findable), cached.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_ids = list(range(num_blocks))
+        self.cached: OrderedDict[Key, int] = OrderedDict()  # oldest first
+        self.pins: dict[int, int] = {}
+        self.hits = self.misses = self.evictions = 0
+
+    def allocate(self, n: int) -> list[int]:
+        """Up to n blocks, evicting unpinned cached blocks (oldest first) when none are free."""
+        while len(self.free_ids) < n and self._evict_one():
+            pass
+        taken, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        return taken
+
+    def _evict_one(self) -> bool:
+        victim = next((k for k, b in self.cached.items() if b not in self.pins), None)
+        if victim is None:
+            return False
+        self.free_ids.append(self.cached.pop(victim))
+        self.evictions += 1
+        return True
+
+    def insert(self, keys: Sequence[Key], block_ids: Sequence[int]) -> None:
+        for key, b in zip(keys, block_ids):
+            old = self.cached.pop(key, None)
+            if old is not None:  # two puts raced for a key: keep the newer copy
+                self.free_ids.append(old)
+            self.cached[key] = b
+
+    def prefix(self, keys: Sequence[Key]) -> list[int]:
+        """Blocks of the longest cached prefix of keys, marked most recently used."""
+        found = []
+        for key in keys:
+            if key not in self.cached:
+                break
+            self.cached.move_to_end(key)
+            found.append(self.cached[key])
+        self.hits += len(found)
+        self.misses += len(keys) - len(found)
+        return found
+
+    def pin(self, block_ids: Sequence[int], delta: int) -> None:
+        for b in block_ids:
+            left = self.pins.get(b, 0) + delta
+            if left:
+                self.pins[b] = left
+            else:
+                self.pins.pop(b, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The pool's side of one put or get: where to write (or read) and under which id."""
+
+    transfer_id: str
+    block_ids: list[int]   # pool blocks, one per key in `keys`
+    keys: list[Key]        # put: the keys still to write (cached ones are skipped); get: the hits
+    positions: list[int]   # index of each key in the caller's key list
+
+
+@dataclass(slots=True)
+class _Pending:
+    kind: str              # "put" | "get"
+    grant: Grant
+    transfer: Transfer
+    settled: bool = False
+
+
+class DistributedKVCache:
+    """Start with `start_kv_cache(...)`; see the module docstring for the protocol."""
+
+    def __init__(self, layout: KVLayout, backend: str = "nixl", name: str | None = None,
+                 timeout_s: float = 30.0, lease_s: float = 10.0, device: str = "cpu"):
+        pin = device == "cpu" and torch.cuda.is_available()  # pinned host memory DMAs at full speed
+        self.kv = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device,
+                              pin_memory=pin)
+        self.transport = make_transport(backend, name, timeout_s=timeout_s, lease_s=lease_s)
+        self.transport.register(self.kv, layout)
+        self.index = BlockIndex(layout.num_blocks)
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._progress_loop, daemon=True)
+        self._thread.start()
+
+    def descriptor(self) -> bytes:
+        return self.transport.descriptor().encode()
+
+    def connect(self, peer_descriptor: bytes) -> str:
+        with self._lock:
+            return self.transport.connect(peer_descriptor)
+
+    def begin_put(self, peer: str, keys: Sequence[Key]) -> Grant:
+        with self._lock:
+            missing = [i for i, k in enumerate(keys) if k not in self.index.cached]
+            blocks = self.index.allocate(len(missing))
+            missing = missing[:len(blocks)]  # the pool may be full of pinned blocks
+            grant = Grant(uuid.uuid4().hex, blocks, [keys[i] for i in missing], missing)
+            self._track("put", peer, grant)
+            return grant
+
+    def begin_get(self, peer: str, keys: Sequence[Key]) -> Grant:
+        with self._lock:
+            blocks = self.index.prefix(keys)
+            self.index.pin(blocks, +1)
+            grant = Grant(uuid.uuid4().hex, blocks, list(keys[:len(blocks)]),
+                          list(range(len(blocks))))
+            self._track("get", peer, grant)
+            return grant
+
+    def end_put(self, transfer_id: str) -> int:
+        """Wait for the put to settle; the number of blocks it added, or a TransferError."""
+        return len(self._settle_wait(transfer_id).block_ids)
+
+    def end_get(self, transfer_id: str) -> int:
+        return len(self._settle_wait(transfer_id).block_ids)
+
+    def abort(self, transfer_id: str, reason: str = "aborted by the pool's owner") -> None:
+        with self._lock:
+            p = self._pending.get(transfer_id)
+            if p is not None:
+                self.transport.abort(p.transfer, reason)
+                self._settle(p)
+
+    def contains(self, keys: Sequence[Key]) -> int:
+        """How many leading keys are cached (without counting as hits)."""
+        with self._lock:
+            return next((i for i, k in enumerate(keys) if k not in self.index.cached), len(keys))
+
+    def stats(self) -> dict:
+        with self._lock:
+            ix = self.index
+            reserved = sum(len(p.grant.block_ids) for p in self._pending.values()
+                           if p.kind == "put" and not p.settled)
+            return dict(capacity=ix.num_blocks, free=len(ix.free_ids), cached=len(ix.cached),
+                        reserved=reserved, pinned=len(ix.pins), hits=ix.hits, misses=ix.misses,
+                        evictions=ix.evictions, in_flight=self.transport.in_flight(),
+                        block_bytes=self.transport.layout.block_bytes * 2
+                        * self.transport.layout.num_layers)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            self.transport.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _track(self, kind: str, peer: str, grant: Grant) -> None:
+        t = self.transport.expect(peer, grant.transfer_id)
+        p = _Pending(kind, grant, t)
+        self._pending[grant.transfer_id] = p
+        if not grant.block_ids:  # nothing to move: settled already
+            t.state = TransferState.DONE
+            self._settle(p)
+
+    def _settle(self, p: _Pending) -> None:
+        """Apply a finished transfer to the index exactly once, then free its transport state."""
+        if p.settled:
+            return
+        p.settled = True
+        ok = p.transfer.state is TransferState.DONE
+        if p.kind == "put":
+            if ok:
+                self.index.insert(p.grant.keys, p.grant.block_ids)
+            else:
+                self.index.free_ids.extend(p.grant.block_ids)
+        else:
+            self.index.pin(p.grant.block_ids, -1)
+        self.transport.release(p.transfer)
+
+    def _settle_wait(self, transfer_id: str) -> Grant:
+        while True:
+            with self._lock:
+                p = self._pending.get(transfer_id)
+                if p is None:
+                    raise TransferError(f"unknown or already ended transfer {transfer_id}")
+                if p.settled:
+                    del self._pending[transfer_id]
+                    p.transfer.raise_if_failed()
+                    return p.grant
+            time.sleep(1e-3)
+
+    def _progress_loop(self) -> None:
+        while not self._stop.wait(1e-3):
+            with self._lock:
+                self.transport.progress()
+                for p in self._pending.values():
+                    if p.transfer.state.finished:
+                        self._settle(p)
+                self._forget_unclaimed_settled()
+
+    def _forget_unclaimed_settled(self) -> None:
+        """Failed transfers nobody asked about (the peer died) must not pile up."""
+        stale = [tid for tid, p in self._pending.items()
+                 if p.settled and time.monotonic() > p.transfer.deadline]
+        for tid in stale:
+            del self._pending[tid]
+
+
+class KVCacheClient:
+    """An engine's side of a DistributedKVCache: moves its own KV blocks in and out."""
+
+    def __init__(self, pool, transport: KVTransport):
+        self.pool, self.transport = pool, transport
+        self.pool_name = transport.connect(self._call("descriptor"))
+        self._call("connect", transport.descriptor().encode())
+
+    def put(self, keys: Sequence[Key], block_ids: Sequence[int]) -> int:
+        """Store our `block_ids` under `keys` (one per block); returns how many were new."""
+        grant = self._call("begin_put", self.transport.name, list(keys))
+        self._move(self.transport.write, grant, block_ids)
+        return self._call("end_put", grant.transfer_id)
+
+    def get(self, keys: Sequence[Key], block_ids: Sequence[int]) -> int:
+        """Fill our `block_ids` with the longest cached prefix of `keys`; returns its length."""
+        grant = self._call("begin_get", self.transport.name, list(keys))
+        self._move(self.transport.read, grant, block_ids)
+        return self._call("end_get", grant.transfer_id)
+
+    def _move(self, start, grant: Grant, block_ids: Sequence[int]) -> None:
+        if not grant.block_ids:
+            return
+        t = start(self.pool_name, [block_ids[i] for i in grant.positions], grant.block_ids,
+                  transfer_id=grant.transfer_id)
+        try:
+            self.transport.wait(t)  # a failure has told the pool (ABORT) or the pool is gone
+        finally:
+            self.transport.release(t)
+
+    def _call(self, method: str, *args):
+        import ray
+
+        try:
+            return ray.get(getattr(self.pool, method).remote(*args),
+                           timeout=2 * self.transport.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise TransferError(f"the KV cache actor died during {method}: {e}") from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise TransferError(f"the KV cache actor did not answer {method} in time") from e
+
+
+def start_kv_cache(layout: KVLayout, backend: str = "nixl", num_cpus: float = 0, **kwargs):
+    """Start a DistributedKVCache actor (methods may wait, so a few run concurrently)."""
+    import ray
+
+    return ray.remote(DistributedKVCache).options(
+        num_cpus=num_cpus, max_concurrency=8).remote(layout, backend, **kwargs)
