@@ -7,12 +7,12 @@ import os
 
 from pd_cluster.config import EngineConfig, ModelConfig
 from pd_cluster.kv_cache_manager import KVCacheManager
-from pd_cluster.model_runner import ModelRunner
+from pd_cluster.model_runner import ModelRunner, StepListener
 from pd_cluster.output_processor import OutputProcessor
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.scheduler import Scheduler
+from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
@@ -50,8 +50,48 @@ class LLMEngine:
         return self.runner.kv_layout
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+                    request_id: str | None = None, hold_kv: bool = False) -> str:
+        """Queue a prompt (text or token ids); returns its request id.
+
+        `hold_kv` (prefill side of disaggregation): stop after the first token but keep the
+        request's KV blocks until `release(request_id)`.
+        """
+        req = self._new_request(prompt, params, request_id)
+        req.hold_kv = hold_kv
+        self.outputs.add(req)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def reserve(self, prompt: Prompt, params: SamplingParams | None = None,
+                request_id: str | None = None) -> tuple[str, list[int], int] | None:
+        """Decode side: take a request whose prompt KV another engine will write.
+
+        Returns (request id, block ids for the whole prompt, prompt tokens already cached
+        here), or None when the KV pool has no room for it now.
+        """
+        req = self._new_request(prompt, params, request_id)
+        num_cached = self.scheduler.reserve(req)
+        if num_cached is None:
+            return None
+        self.outputs.add(req)
+        return req.request_id, list(req.block_ids), num_cached
+
+    def resume(self, request_id: str, token: int,
+               logprobs: dict[int, float] | None = None) -> RequestOutput:
+        """Decode side: the reserved request's KV has landed; continue from its first token."""
+        req = self.scheduler.resume(request_id, token, logprobs)
+        self.runner.sampler.skip_draw(req, self.model_cfg.vocab_size)
+        # Report it as a one-request step that sampled, so stop strings apply as usual.
+        plan = SchedulerOutput([ScheduledRequest(req, 0, samples=True)])
+        finished = [req] if req.is_finished else []
+        return self.outputs.process(plan, finished, self.scheduler, self.runner.sampler)[0]
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the held request's KV has been sent; free its blocks."""
+        self.scheduler.release(request_id)
+
+    def _new_request(self, prompt: Prompt, params: SamplingParams | None,
+                     request_id: str | None) -> Request:
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
         room = self.max_model_len - len(token_ids)
@@ -68,10 +108,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        req = Request(request_id, token_ids, params, eos_token_ids=frozenset(eos))
-        self.outputs.add(req)
-        self.scheduler.add(req)
-        return request_id
+        return Request(request_id, token_ids, params, eos_token_ids=frozenset(eos))
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -96,8 +133,8 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, listener: StepListener | None = None) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan) if not plan.is_empty else {}
+        sampled = self.runner.execute(plan, listener) if not plan.is_empty else {}
         finished = self.scheduler.update(plan, sampled)
         return self.outputs.process(plan, finished, self.scheduler, self.runner.sampler)

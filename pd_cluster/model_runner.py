@@ -6,6 +6,8 @@ compute its logits and sample.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
@@ -20,6 +22,15 @@ from pd_cluster.sampler import Sampler
 from pd_cluster.scheduler import SchedulerOutput
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
+
+
+class StepListener(Protocol):
+    """Watches a step's forward pass (the prefill side pushes KV from these hooks)."""
+
+    def before_forward(self, plan: SchedulerOutput) -> None: ...
+
+    def after_layer(self, layer_idx: int) -> None:
+        """Layer `layer_idx` has been issued; its KV writes are queued on the device."""
 
 
 def select_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
@@ -75,9 +86,12 @@ class ModelRunner:
         return n
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, on_layer_done=None) -> SampledTokens:
+    def execute(self, plan: SchedulerOutput, listener: StepListener | None = None) -> SampledTokens:
         input_ids, positions, meta, sample_idx = self._prepare(plan)
-        ctx = ForwardContext(meta, self.kv_cache, self.backend, on_layer_done)
+        if listener is not None:
+            listener.before_forward(plan)
+        ctx = ForwardContext(meta, self.kv_cache, self.backend,
+                             listener.after_layer if listener else None)
         hidden = self.model(input_ids, positions, ctx)
         sampling = [s.request for s in plan.scheduled if s.samples]
         if not sampling:

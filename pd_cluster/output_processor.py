@@ -44,7 +44,7 @@ class OutputProcessor:
                 continue
             if req.request_id not in ended and self._hit_stop_string(req):
                 scheduler.finish(req.request_id, RequestStatus.FINISHED, "stop")
-            if req.is_finished:
+            if req.is_finished or req.request_id in ended:
                 sampler.forget(req.request_id)
                 outs.append(self.finalize(req))
             else:

@@ -31,7 +31,7 @@ TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
     _S.PREFILLING: {_S.PREFILLING, _S.RUNNING, _S.TRANSFERRING, _S.WAITING} | _END,
     _S.TRANSFERRING: _END,
     _S.WAITING_FOR_KV: {_S.RUNNING, _S.WAITING} | _END,
-    _S.RUNNING: {_S.WAITING} | _END,
+    _S.RUNNING: {_S.WAITING, _S.TRANSFERRING} | _END,
     _S.FINISHED: set(), _S.ABORTED: set(), _S.FAILED: set(),
 }
 
@@ -55,6 +55,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
+    # Prefill side of a disaggregated request: after its first token, keep its KV blocks
+    # (status TRANSFERRING) until the engine is told the transfer is over.
+    hold_kv: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

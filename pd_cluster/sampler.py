@@ -15,6 +15,13 @@ class Sampler:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
 
+    def skip_draw(self, request: Request, vocab_size: int) -> None:
+        """Advance a seeded request's generator past one draw made by another engine (its
+        prefill engine sampled the first token), so the stream continues as if colocated."""
+        gen = self._generator(request)
+        if gen is not None and not request.params.greedy:
+            torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
+
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 

@@ -55,6 +55,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}    # decode side: blocks reserved, KV on its way
+        self.holding: dict[str, Request] = {}   # prefill side: blocks kept while KV is sent
         self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
@@ -62,7 +64,44 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
+        """Whether steps are needed (parked and held requests wait for others, not steps)."""
         return bool(self.waiting or self.running)
+
+    def reserve(self, req: Request) -> int | None:
+        """Decode side: allocate blocks for the whole prompt and park the request until its KV
+        arrives. Returns how many prompt tokens this engine already has cached (the sender
+        skips those), or None when the pool cannot take the request now."""
+        cached, num_cached = self.kv.find_cached_prefix(req)
+        req.num_computed_tokens = num_cached
+        if not self.kv.can_allocate(req, req.num_tokens - num_cached, cached):
+            req.num_computed_tokens = 0
+            return None
+        self.kv.allocate(req, req.num_tokens - num_cached, cached)
+        req.num_cached_tokens = num_cached
+        req.move_to(RequestStatus.WAITING_FOR_KV)
+        self.requests[req.request_id] = req
+        self.parked[req.request_id] = req
+        return num_cached
+
+    def resume(self, request_id: str, token: int, logprobs: dict[int, float] | None) -> Request:
+        """Decode side: the prompt's KV has landed; join the running batch with its first token."""
+        req = self.parked.pop(request_id)
+        req.num_computed_tokens = req.num_tokens
+        self.kv.cache_computed_blocks(req)
+        req.append_token(token, logprobs)
+        if req.check_stop():
+            self._remove(req)
+        else:
+            req.move_to(RequestStatus.RUNNING)
+            self.running.append(req)
+        return req
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the KV of a held request has been sent; free its blocks."""
+        req = self.holding.get(request_id)
+        if req is not None:
+            req.finish(RequestStatus.FINISHED, "length")
+            self._remove(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -142,7 +181,10 @@ class Scheduler:
             if s.samples:
                 token, logprobs = sampled[req.request_id]
                 req.append_token(token, logprobs)
-                if req.check_stop():
+                if req.hold_kv:
+                    self._hold(req)
+                    finished.append(req)
+                elif req.check_stop():
                     self._remove(req)
                     finished.append(req)
         return finished
@@ -157,10 +199,17 @@ class Scheduler:
         self._remove(req)
         return req
 
+    def _hold(self, req: Request) -> None:
+        self.running.remove(req)
+        req.move_to(RequestStatus.TRANSFERRING)
+        self.holding[req.request_id] = req
+
     def _remove(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.parked.pop(req.request_id, None)
+        self.holding.pop(req.request_id, None)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)

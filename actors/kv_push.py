@@ -1,0 +1,136 @@
+"""Layer-wise KV push from a prefill engine into blocks a decode engine reserved.
+
+The pusher is the prefill engine's `StepListener`. Before a step's forward pass it works out,
+for every request with a destination, which of its blocks this step writes; after each layer
+it queues that layer's write of those blocks, so the bytes of layer i travel while layer i + 1
+computes. On GPU the write waits for a CUDA event recorded after the layer, since kernels run
+ahead of the host.
+
+    step k:  L0 ──┬ L1 ──┬ L2 ──┬ ...          (compute, engine thread)
+                  └ push L0     └ push L1 ...   (transport pump thread)
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.transport_pump import TransportPump
+from pd_cluster.scheduler import SchedulerOutput
+from transfer.base import KVTransport, Transfer
+
+
+@dataclass(slots=True)
+class Destination:
+    peer: str                       # the decode engine's transport agent
+    remote_blocks: list[int]        # its blocks for the whole prompt, in order
+    sent_upto: int                  # tokens the decode engine holds already (block aligned)
+    start_tokens: int               # sent_upto at the start, to redo a preempted request
+    transfers: list[Transfer] = field(default_factory=list)
+    transfer_ids: list[str] = field(default_factory=list)
+
+
+class KVPusher:
+    def __init__(self, pump: TransportPump, block_size: int, device: torch.device):
+        self.pump, self.block_size, self.device = pump, block_size, device
+        self.dests: dict[str, Destination] = {}
+        self._step_copies: list[tuple[str, list[int], list[int]]] = []
+        self._step = 0
+        # (what, layer, monotonic time): "computed" after a layer, "posted" when its write starts
+        self.timeline: list[tuple[str, int, float]] = []
+
+    def add(self, request_id: str, peer: str, remote_blocks: list[int], cached_tokens: int):
+        self.dests[request_id] = Destination(peer, remote_blocks, cached_tokens, cached_tokens)
+
+    def before_forward(self, plan: SchedulerOutput) -> None:
+        self._step += 1
+        for req in plan.preempted:  # recomputed from scratch: send everything again
+            d = self.dests.get(req.request_id)
+            if d is not None:
+                d.sent_upto = d.start_tokens
+        bs, copies = self.block_size, []
+        for s in plan.scheduled:
+            d = self.dests.get(s.request.request_id)
+            end = min(s.request.num_computed_tokens + s.num_tokens, len(d.remote_blocks) * bs) \
+                if d else 0
+            if d is None or end <= d.sent_upto:
+                continue
+            first, last = d.sent_upto // bs, -(-end // bs)
+            copies.append((s.request.request_id, s.request.block_ids[first:last],
+                           d.remote_blocks[first:last]))
+            d.sent_upto = end
+        self._step_copies = copies
+
+    def after_layer(self, layer_idx: int) -> None:
+        if not self._step_copies:
+            return
+        self.timeline.append(("computed", layer_idx, time.monotonic()))
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        copies, step = self._step_copies, self._step
+        self.pump.call(lambda tr: self._post(tr, copies, layer_idx, step, event))
+
+    def _post(self, tr: KVTransport, copies, layer: int, step: int, event) -> None:
+        if event is not None:
+            event.synchronize()
+        self.timeline.append(("posted", layer, time.monotonic()))
+        for rid, local, remote in copies:
+            d = self.dests.get(rid)
+            if d is None:  # aborted meanwhile
+                continue
+            tid = f"{rid}/{step}/{layer}"
+            d.transfers.append(tr.write(d.peer, local, remote, range(layer, layer + 1), tid))
+            d.transfer_ids.append(tid)
+
+    def finish(self, request_id: str) -> Future:
+        """After the request's last prefill step: resolves (to the transfer ids) when every
+        write landed; fails if one failed. Forgets the request either way."""
+        def settle(tr: KVTransport) -> Future:
+            d = self.dests.pop(request_id)
+            done = self.pump.wait_all(d.transfers,
+                                      on_end=lambda: [tr.release(t) for t in d.transfers])
+            out: Future = Future()
+            done.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()
+                                   else out.set_result(d.transfer_ids))
+            return out
+        return _chain(self.pump.call(settle))
+
+    def abort(self, request_id: str) -> None:
+        """Stop pushing a request; its in-flight writes are aborted (the peer is told)."""
+        def drop(tr: KVTransport) -> None:
+            d = self.dests.pop(request_id, None)
+            for t in d.transfers if d else ():
+                tr.release(t)
+        self.pump.call(drop)
+
+
+def _chain(outer: Future) -> Future:
+    """Flatten a Future[Future[T]] into a Future[T]."""
+    result: Future = Future()
+
+    def inner_done(inner: Future) -> None:
+        if inner.exception():
+            result.set_exception(inner.exception())
+        else:
+            result.set_result(inner.result())
+
+    def outer_done(f: Future) -> None:
+        if f.exception():
+            result.set_exception(f.exception())
+        else:
+            f.result().add_done_callback(inner_done)
+
+    outer.add_done_callback(outer_done)
+    return result
+
+
+def expect_transfers(pump: TransportPump, peer: str, transfer_ids: list[str]) -> Future:
+    """Decode side: a future resolved when every named transfer into our blocks is DONE."""
+    def track(tr: KVTransport) -> Future:
+        ts = [tr.expect(peer, tid) for tid in transfer_ids]
+        return pump.wait_all(ts, on_end=lambda: [tr.release(t) for t in ts])
+    return _chain(pump.call(track))

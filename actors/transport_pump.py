@@ -1,0 +1,95 @@
+"""One thread that owns a KV transport: runs commands on it, progresses it, settles waits.
+
+Transports are not thread-safe, and the two-sided ones (ray, ucx) only move bytes while someone
+calls `progress()`. So each actor gives its transport to a pump: other threads hand it work
+with `call()` and get futures back; the pump loop wakes on new work or every millisecond.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from transfer.base import KVTransport, Transfer, TransferError, TransferState
+
+
+@dataclass(eq=False)
+class _Wait:
+    """Resolve `future` once every transfer in `transfers` is DONE (fail on the first failure)."""
+
+    transfers: list[Transfer]
+    future: Future
+    on_end: Callable[[], None] | None = None
+
+
+class TransportPump:
+    def __init__(self, transport: KVTransport, name: str = "kv-pump", tick_s: float = 1e-3):
+        self.transport = transport
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._waits: list[_Wait] = []
+        self._tick_s = tick_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[KVTransport], Any]) -> Future:
+        """Run `fn(transport)` on the pump thread; the future holds its result or error."""
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    def wait_all(self, transfers: list[Transfer],
+                 on_end: Callable[[], None] | None = None) -> Future:
+        """A future that resolves when all `transfers` are DONE, or fails with the first failure.
+
+        Call from the pump thread (inside a `call`). `on_end` runs on the pump thread at the
+        end either way (e.g. releasing the transfers). Transfers have deadlines, so it ends.
+        """
+        fut: Future = Future()
+        self._waits.append(_Wait(transfers, fut, on_end))
+        return fut
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put((None, None))
+        self._thread.join(timeout_s)
+        self.transport.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                fn, fut = self._commands.get(timeout=self._tick_s)
+                while True:
+                    if fn is not None:
+                        self._execute(fn, fut)
+                    fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                pass
+            self.transport.progress()
+            self._settle()
+
+    def _execute(self, fn: Callable, fut: Future) -> None:
+        try:
+            fut.set_result(fn(self.transport))
+        except Exception as e:  # noqa: BLE001 - every error goes to the caller's future
+            fut.set_exception(e)
+
+    def _settle(self) -> None:
+        for w in list(self._waits):
+            failed = next((t for t in w.transfers if t.state.finished
+                           and t.state is not TransferState.DONE), None)
+            done = all(t.state is TransferState.DONE for t in w.transfers)
+            if failed is None and not done:
+                continue
+            self._waits.remove(w)
+            if w.on_end is not None:
+                w.on_end()
+            if failed is not None:
+                w.future.set_exception(TransferError(
+                    f"KV transfer {failed.id} with {failed.peer} {failed.state.value}: "
+                    f"{failed.error}"))
+            else:
+                w.future.set_result(time.monotonic())
