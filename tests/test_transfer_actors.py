@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from test_transfer_support import BlockAllocator, blocks, model_kv, paged_pool, tiny_layout
-from transfer.base import TransferError
+from transfer.base import LayoutMismatchError, TransferError
+from transfer.messages import PoolDescriptor
 
 ray = pytest.importorskip("ray")
 
@@ -151,11 +153,11 @@ def test_layer_by_layer_push_and_a_pull_are_byte_exact(engines, kv) -> None:
 
 
 def test_incompatible_layout_is_refused_across_processes(engines) -> None:
-    backend, p, _, _ = engines
-    other = spawn(backend, layout=tiny_layout(head_dim=32))
-    with pytest.raises(TransferError, match="head_dim: 16 != 32"):
-        ray.get(p.connect.remote(ray.get(other.descriptor.remote())))
-    ray.kill(other)
+    _, p, d, _ = engines
+    theirs = PoolDescriptor.decode(ray.get(d.descriptor.remote()))
+    other = replace(theirs, agent="other", layout=replace(theirs.layout, head_dim=32))
+    with pytest.raises(LayoutMismatchError, match="head_dim: 16 != 32"):
+        ray.get(p.connect.remote(other.encode()))
 
 
 def test_abort_by_the_receiver_ends_both_sides(engines) -> None:
