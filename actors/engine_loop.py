@@ -1,0 +1,175 @@
+"""EngineLoop: one LLMEngine stepped by a background thread, streamed to asyncio consumers.
+
+Lifecycle of a request:
+    stream(id, ids, params)  → a per-request asyncio queue is registered and an ADD command
+                               is queued for the engine thread (the event loop never blocks)
+    engine thread            → applies queued commands, then `engine.step()` while requests
+                               exist; each RequestOutput goes to its request's queue through
+                               `loop.call_soon_threadsafe`; sleeps on an event when idle
+    consumer                 → iterates outputs until one is finished; if it stops early
+                               (break, GeneratorExit, CancelledError, stall timeout), the
+                               request is aborted in the engine, which frees its KV blocks
+The engine is touched only by its thread, so it needs no lock; `load()` reads a snapshot
+that the thread refreshes after every step.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine import LLMEngine
+from pd_cluster.outputs import RequestOutput
+from pd_cluster.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle engine thread sleeps before re-checking for shutdown.
+IDLE_WAIT_S = 0.5
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request (too long, too large for the KV pool, duplicate id)."""
+
+
+class EngineFailed(RuntimeError):
+    """A step of the engine raised; every request that was in it is failed with this."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Sink:
+    """Where a request's outputs go: an asyncio queue owned by the consumer's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class EngineLoop:
+    """Owns an LLMEngine and runs it on a background thread; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, stall_timeout_s: float = 600.0) -> None:
+        self.engine = LLMEngine(config)
+        self.stall_timeout_s = stall_timeout_s   # longest wait for a request's next output
+        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._sinks: dict[str, _Sink] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._load = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stream(self, request_id: str, prompt_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; raises RequestRejected, EngineFailed or
+        TimeoutError. Stopping the iteration early aborts the request."""
+        if request_id in self._sinks:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        sink = _Sink(asyncio.get_running_loop())
+        self._sinks[request_id] = sink
+        self._submit(_Add(request_id, list(prompt_ids), params))
+        finished = False
+        try:
+            while not finished:
+                item = await asyncio.wait_for(sink.queue.get(), self.stall_timeout_s)
+                if isinstance(item, Exception):
+                    finished = True      # the engine has already dropped the request
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._sinks.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its stream ends with a finished output (finish_reason "abort")."""
+        self._submit(_Abort(request_id))
+
+    def load(self) -> dict[str, Any]:
+        """Running and waiting requests, KV blocks, prefix-cache counters (a recent snapshot)."""
+        return dict(self._load)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (within a step plus IDLE_WAIT_S); pending requests fail."""
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.clear()   # before draining, so a command queued after it wakes us
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._load = self._snapshot()
+                self._wake.wait(IDLE_WAIT_S)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - one bad step must not kill the thread
+                logger.exception("engine step failed")
+                self._fail_all(EngineFailed(f"engine step failed: {e!r}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._load = self._snapshot()
+        self._fail_all(EngineFailed("engine loop shut down"))
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if isinstance(command, _Abort):
+                out = self.engine.abort(command.request_id)
+                if out is not None:
+                    self._deliver(command.request_id, out)
+                continue
+            if command.request_id not in self._sinks:
+                continue          # its consumer left before the engine saw it
+            try:
+                self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+            except ValueError as e:
+                self._deliver(command.request_id, RequestRejected(str(e)))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort(request_id)
+        for request_id in list(self._sinks):
+            self._deliver(request_id, error)
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            return
+        try:
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+        except RuntimeError:      # the consumer's event loop is closed: nobody to tell
+            pass
+
+    def _snapshot(self) -> dict[str, Any]:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                "kv_blocks_total": kv.num_blocks,
+                "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
+                "prefix_queries": sched.stats.prefix_queries,
+                "prefix_hits": sched.stats.prefix_hits,
+                "num_preemptions": sched.stats.num_preemptions}
