@@ -70,9 +70,9 @@ class KVCacheManager:
             return
         blocks = self._blocks.get(request.request_id, [])
         hashes = self._hashes.setdefault(request.request_id, [])
-        tokens, bs = request.all_token_ids, self.block_size
+        bs = self.block_size
         for i in range(len(hashes), min(request.num_computed_tokens // bs, len(blocks))):
-            chunk = tokens[i * bs:(i + 1) * bs]
+            chunk = request.token_slice(i * bs, (i + 1) * bs)
             hashes.append(hash_block(hashes[-1] if hashes else None, chunk))
             self.pool.cache(blocks[i], hashes[-1], chunk)
 

@@ -14,6 +14,7 @@ import torch
 from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
 from pd_cluster.attention.torch_backend import TorchAttentionBackend
 from pd_cluster.config import EngineConfig, ModelConfig
+from pd_cluster.cuda_graphs import DecodeGraphs
 from pd_cluster.forward_context import ForwardContext
 from pd_cluster.kv_layout import KVLayout
 from pd_cluster.models import ops
@@ -64,6 +65,11 @@ class ModelRunner:
                                   head_dim=model_cfg.head_dim)
         self.kv_cache = self.kv_layout.allocate(self.device)
         self.sampler = Sampler(self.device)
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend,
+                                       min(config.max_num_seqs, 512), max_model_len,
+                                       self.block_size, model_cfg.hidden_size)
 
     def _num_blocks(self, max_model_len: int) -> int:
         c, m = self.config, self.model_cfg
@@ -90,15 +96,23 @@ class ModelRunner:
         input_ids, positions, meta, sample_idx = self._prepare(plan)
         if listener is not None:
             listener.before_forward(plan)
-        ctx = ForwardContext(meta, self.kv_cache, self.backend,
-                             listener.after_layer if listener else None)
-        hidden = self.model(input_ids, positions, ctx)
+        if self._graph_ok(meta, listener):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            ctx = ForwardContext(meta, self.kv_cache, self.backend,
+                                 listener.after_layer if listener else None)
+            hidden = self.model(input_ids, positions, ctx)
         sampling = [s.request for s in plan.scheduled if s.samples]
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[sample_idx])
         results = self.sampler(logits, sampling)
         return {r.request_id: res for r, res in zip(sampling, results)}
+
+    def _graph_ok(self, meta: AttentionMetadata, listener: StepListener | None) -> bool:
+        # Graphs replay whole forwards: no per-layer hooks, decode-only batches that fit.
+        return (self.graphs is not None and listener is None
+                and meta.num_decodes == meta.num_seqs and self.graphs.can_run(meta.num_seqs))
 
     def _prepare(self, plan: SchedulerOutput):
         bs = self.block_size
@@ -108,7 +122,7 @@ class ModelRunner:
         for i, s in enumerate(plan.scheduled):
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
-            ids.extend(req.all_token_ids[start:end])
+            ids.extend(req.token_slice(start, end))
             p = np.arange(start, end)
             pos.append(p)
             table = np.asarray(req.block_ids, dtype=np.int64)

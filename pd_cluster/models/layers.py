@@ -61,10 +61,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # The fused kernel's layout: the non-duplicated halves of cos and sin side by side.
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D], positions: [T]; returns rotated (q, k)."""
-        return ops.rotary(positions, q, k, self.cos, self.sin)
+        return ops.rotary(positions, q, k, self.cos, self.sin, self.cos_sin)
 
 
 class GatedMLP(nn.Module):

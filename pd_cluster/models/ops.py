@@ -1,26 +1,37 @@
-"""Elementwise ops of the models: torch versions, replaced by fused Triton kernels on GPU.
+"""Elementwise ops of the models: torch versions, and fused Triton kernels on GPU.
 
-`use_triton(True)` is called by the model runner when the Triton backend is selected.
+`use_triton(True)` is called by the model runner when the Triton backend is selected; the
+kernels then serve CUDA tensors and the torch code serves everything else.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-_triton = None  # the kernels package, once enabled
+_kernels = None  # the kernels modules, once enabled
 
 
 def use_triton(enabled: bool) -> None:
-    global _triton
-    if enabled:
-        import kernels
-        _triton = kernels
-    else:
-        _triton = None
+    global _kernels
+    if not enabled:
+        _kernels = None
+        return
+    from kernels import activation, rmsnorm, rope
+    _kernels = (rmsnorm, rope, activation)
+
+
+def _fast(x: torch.Tensor) -> bool:
+    return _kernels is not None and x.is_cuda
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
+    """weight * rmsnorm(x [+ residual]); with a residual, returns (out, x + residual)."""
+    if _fast(x) and x.is_contiguous():
+        rmsnorm = _kernels[0]
+        if residual is None:
+            return rmsnorm.rms_norm(x, weight, eps)
+        return rmsnorm.fused_add_rms_norm(x, residual, weight, eps)
     if residual is not None:
         x = x + residual
         residual = x
@@ -37,12 +48,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor):
+           sin: torch.Tensor, cos_sin: torch.Tensor):
+    """Neox rotary embedding. cos/sin: [max_pos, D]; cos_sin: [max_pos, D] = (cos | sin) halves."""
+    if _fast(q):
+        _kernels[1].apply_rope(q, k, positions, cos_sin)  # in place
+        return q, k
     cos_t = cos[positions].unsqueeze(1).to(q.dtype)
     sin_t = sin[positions].unsqueeze(1).to(q.dtype)
     return q * cos_t + _rotate_half(q) * sin_t, k * cos_t + _rotate_half(k) * sin_t
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _fast(x):
+        return _kernels[2].silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -1,0 +1,157 @@
+"""Single-GPU engine speed: decode step vs roofline, prefill tok/s, offline throughput.
+
+    python bench/engine_bench.py [--only decode,prefill,offline] [--hf-offline]
+
+Prints one JSON object. Roofline of a decode step = (weight bytes + KV bytes read) / this
+machine's measured device copy bandwidth (bytes read + written per second).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from bench.models import LLAMA_31_8B, dummy_model_dir, kv_bytes_per_token, params_bytes  # noqa: E402
+from pd_cluster import LLM, SamplingParams  # noqa: E402
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)
+
+
+def _sync_step(engine):
+    out = engine.step()
+    torch.cuda.synchronize()
+    return out
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float) -> dict:
+    engine, rng = llm.engine, random.Random(batch * 7 + context)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(1000, 120000) for _ in range(context)], params)
+           for _ in range(batch)]
+    while any(engine.scheduler.requests[i].num_computed_tokens < context for i in ids):
+        engine.step()
+    for _ in range(3):
+        _sync_step(engine)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t) / steps
+    for i in ids:
+        engine.abort(i)
+    kv = batch * (context + 5 + steps // 2) * kv_bytes_per_token(LLAMA_31_8B)
+    roofline = (params_bytes(LLAMA_31_8B) + kv) / bw
+    return {"batch": batch, "context": context, "step_ms": step_s * 1e3,
+            "roofline_ms": roofline * 1e3, "ratio_to_roofline": step_s / roofline,
+            "output_tok_s": batch / step_s}
+
+
+def prefill(llm: LLM, n: int = 8, length: int = 2048) -> dict:
+    engine, rng = llm.engine, random.Random(1)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for rep in range(4):
+        for _ in range(n):
+            engine.add_request([rng.randrange(1000, 120000) for _ in range(length)], params)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    best = min(times[1:])
+    return {"prompts": n, "prompt_len": length, "seconds": best, "tok_s": n * length / best}
+
+
+def nano_vllm_workload(seed: int = 0, n: int = 256):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 120000) for _ in range(rng.randint(100, 1024))]
+               for _ in range(n)]
+    outs = [rng.randint(100, 1024) for _ in range(n)]
+    return prompts, outs
+
+
+def offline(llm: LLM) -> dict:
+    prompts, outs = nano_vllm_workload()
+    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up
+    t = time.perf_counter()
+    res = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    tokens = sum(len(r.outputs[0].token_ids) for r in res)
+    return {"requests": len(prompts), "output_tokens": tokens, "seconds": dt,
+            "output_tok_s": tokens / dt}
+
+
+def hf_offline(batch: int = 128) -> dict:
+    """The same workload through HF generate: length-sorted, left-padded batches."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(dummy_model_dir())
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    prompts, outs = nano_vllm_workload()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    useful, t = 0, time.perf_counter()
+    for start in range(0, len(order), batch):
+        idx = order[start:start + batch]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in idx], device="cuda")
+        mask = (torch.arange(width, device="cuda")[None, :]
+                >= torch.tensor([width - len(prompts[i]) for i in idx], device="cuda")[:, None])
+        new = max(outs[i] for i in idx)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+        useful += sum(outs[i] for i in idx)
+    dt = time.perf_counter() - t
+    return {"batch": batch, "useful_output_tokens": useful, "seconds": dt,
+            "output_tok_s": useful / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="decode,prefill,offline")
+    ap.add_argument("--hf-offline", action="store_true")
+    ap.add_argument("--steps", type=int, default=32)
+    args = ap.parse_args()
+    parts = args.only.split(",")
+    res = {"device": torch.cuda.get_device_name(), "model": "llama-3.1-8b shape, dummy bf16"}
+    bw = copy_bandwidth()
+    res["copy_bandwidth_GBps"] = bw / 1e9
+    t = time.perf_counter()
+    llm = LLM(dummy_model_dir(), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
+              max_num_batched_tokens=16384, max_model_len=4096)
+    res["engine_start_s"] = time.perf_counter() - t
+    if "decode" in parts:
+        res["decode"] = [decode_steps(llm, b, c, args.steps, bw)
+                         for b in (64, 128, 256) for c in (1024, 2048)]
+    if "prefill" in parts:
+        res["prefill"] = prefill(llm)
+    if "offline" in parts:
+        res["offline"] = offline(llm)
+    if args.hf_offline:
+        del llm
+        torch.cuda.empty_cache()
+        res["hf_offline"] = hf_offline()
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Model shapes for benchmarks: config.json directories for `load_format="dummy"`."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B}
+
+
+def dummy_model_dir(shape: str = "llama-3.1-8b") -> str:
+    """A directory holding only the config.json of a named shape (weights come from dummy init)."""
+    path = os.path.join(tempfile.gettempdir(), f"pd-cluster-dummy-{shape}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(SHAPES[shape], f)
+    return path
+
+
+def params_bytes(cfg: dict, itemsize: int = 2) -> int:
+    """Bytes of weights one decode step reads (embedding rows aside: one row per token)."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // heads
+    layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * i + 2 * h
+    return (cfg["num_hidden_layers"] * layer + v * h + h) * itemsize
+
+
+def kv_bytes_per_token(cfg: dict, itemsize: int = 2) -> int:
+    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * itemsize

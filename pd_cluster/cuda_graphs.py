@@ -1,0 +1,73 @@
+"""CUDA graphs of decode-only forward passes, one per padded batch size.
+
+A decode step of a big model launches a few hundred small kernels; replaying a captured graph
+removes their launch cost. Inputs live in static buffers that every replay reads: the runner
+copies the step's ids, positions, slots, lengths and block tables in, pads the batch up to the
+nearest captured size (padding rows write no KV: slot -1) and replays.
+"""
+from __future__ import annotations
+
+import torch
+
+from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
+from pd_cluster.forward_context import ForwardContext
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, backend: AttentionBackend,
+                 max_batch: int, max_model_len: int, block_size: int, hidden_size: int):
+        dev = kv_cache.device
+        self.max_model_len = max_model_len
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.slots = torch.full((max_batch,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros(max_batch, -(-max_model_len // block_size), dtype=torch.int32,
+                                  device=dev)
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(max_batch, hidden_size, dtype=kv_cache.dtype, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = None
+        for bs in sorted(capture_sizes(max_batch), reverse=True):  # largest first: shared pool
+            ctx = ForwardContext(self._meta(bs), kv_cache, backend)
+            self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)  # warm-up / compile
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(dev)
+        self.sizes = sorted(self.graphs)
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        # Kernels size their split-KV grid for the longest possible context at capture time;
+        # each replay then uses as many splits as the real lengths need.
+        return AttentionMetadata(
+            slot_mapping=self.slots[:bs], query_start_loc=self.query_start[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.tables[:bs], num_decodes=bs,
+            num_decode_tokens=bs, max_query_len=1, max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[self.max_model_len] * bs)
+
+    def can_run(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [batch, hidden] of a decode-only step."""
+        n = input_ids.shape[0]
+        bs = next(s for s in self.sizes if s >= n)
+        self.ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slots[:n] = meta.slot_mapping
+        self.slots[n:bs] = -1
+        self.seq_lens[:n] = meta.seq_lens
+        self.seq_lens[n:bs] = 1
+        width = meta.block_tables.shape[1]
+        self.tables[:n, :width] = meta.block_tables
+        self.graphs[bs].replay()
+        return self.out[:n]
