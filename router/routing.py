@@ -88,8 +88,8 @@ class RoundRobinPolicy(RoutingPolicy):
         self._prefill = itertools.cycle(range(inputs.num_prefill))
 
     def route(self, prompt_ids: Sequence[int]) -> Route:
-        decode_id = next(self._decode)
-        if not self.inputs.num_prefill or len(prompt_ids) < self.inputs.conditional_disagg_threshold:
+        decode_id, inputs = next(self._decode), self.inputs
+        if not inputs.num_prefill or len(prompt_ids) < inputs.conditional_disagg_threshold:
             return Route(decode_id)
         return Route(decode_id, next(self._prefill))
 

@@ -1,0 +1,69 @@
+"""ColocatedClient: the EngineClient over N ColocatedActor handles (colocated mode)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from actors.colocated_actor import ColocatedActor
+from pd_cluster.config import EngineConfig
+from pd_cluster.outputs import RequestOutput
+from pd_cluster.sampling_params import SamplingParams
+from router.app_config import AppConfig
+from router.routing import DECODE, ReplicaLoad, Route
+
+# Load queries slower than this fail; the router keeps its previous reports meanwhile.
+LOAD_TIMEOUT_S = 5.0
+
+
+class ColocatedClient:
+    """Sends each request to the engine its Route names (Route.decode_id; no prefill role)."""
+
+    def __init__(self, actors: Sequence[Any]) -> None:
+        self.actors = list(actors)
+        self._where: dict[str, int] = {}     # request id → replica, while it streams
+
+    @classmethod
+    def start(cls, config: AppConfig, engine: EngineConfig,
+              actor_options: Mapping[str, dict[str, Any]]) -> ColocatedClient:
+        """One ColocatedActor per decode replica (colocated engines take the decode role)."""
+        options = actor_options["decode"]
+        return cls([ColocatedActor.options(**options).remote(
+            engine, i, config.limits.request_timeout_s) for i in range(config.num_decode)])
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await asyncio.wait_for(asyncio.gather(*[a.load.remote() for a in self.actors]),
+                               timeout_s)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
+        actor = self.actors[route.decode_id]
+        self._where[request_id] = route.decode_id
+        finished = False
+        try:
+            gen = actor.generate.options(num_returns="streaming").remote(
+                request_id, prompt_token_ids, params)
+            async for ref in gen:
+                out: RequestOutput = await ref
+                finished = out.finished
+                yield out
+        finally:
+            self._where.pop(request_id, None)
+            if not finished:
+                # Fire and forget: this may run while the caller is being cancelled.
+                actor.abort.remote(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        replica = self._where.get(request_id)
+        if replica is not None:
+            await self.actors[replica].abort.remote(request_id)
+
+    async def loads(self) -> list[ReplicaLoad]:
+        refs = [actor.load.remote() for actor in self.actors]
+        done = await asyncio.wait_for(asyncio.gather(*refs), LOAD_TIMEOUT_S)
+        return [ReplicaLoad(role=DECODE, replica_id=d["replica_id"],
+                            num_running=d["num_running"], num_waiting=d["num_waiting"],
+                            kv_blocks_used=d["kv_blocks_used"],
+                            kv_blocks_total=d["kv_blocks_total"],
+                            prefix_queries=d["prefix_queries"], prefix_hits=d["prefix_hits"])
+                for d in done]

@@ -1,0 +1,136 @@
+"""Prometheus metrics of the router, vLLM-style, served at /metrics.
+
+Latencies are measured in the router per engine request (what a client sees); per-replica
+gauges and counters come from the replicas' load reports, read at scrape time. Names are
+the ones the Grafana dashboard (helm/dashboards/pd-cluster.json) queries; replica metrics
+carry `role` ("prefill" | "decode") and `replica` labels.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.routing import ReplicaLoad
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+_REPLICA = ("role", "replica")
+
+
+class _ReplicaCollector(Collector):
+    """Exports the latest ReplicaLoad reports (set by RouterMetrics.set_loads)."""
+
+    def __init__(self) -> None:
+        self.loads: list[ReplicaLoad] = []
+
+    def collect(self) -> Iterator[Metric]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=_REPLICA)
+
+        running = gauge("pd_num_requests_running", "Requests in the engine's running batch.")
+        waiting = gauge("pd_num_requests_waiting", "Requests waiting in the engine's queue.")
+        usage = gauge("pd_kv_cache_usage_ratio", "Share of KV blocks held by requests.")
+        used = gauge("pd_kv_blocks_used", "KV blocks held by requests.")
+        free = gauge("pd_kv_blocks_free", "KV blocks free (cached prefixes included).")
+        hit_rate = gauge("pd_prefix_cache_hit_rate", "Prompt tokens found in the prefix "
+                         "cache / prompt tokens looked up, since start.")
+        queries = CounterMetricFamily("pd_prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache.", labels=_REPLICA)
+        hits = CounterMetricFamily("pd_prefix_cache_hits", "Prompt tokens found in the "
+                                   "prefix cache.", labels=_REPLICA)
+        moved = CounterMetricFamily("pd_kv_transfer_bytes", "KV bytes sent (prefill) or "
+                                    "received (decode).", labels=(*_REPLICA, "transport"))
+        spent = CounterMetricFamily("pd_kv_transfer_seconds", "Time spent moving KV.",
+                                    labels=(*_REPLICA, "transport"))
+        for load in self.loads:
+            labels = [load.role, str(load.replica_id)]
+            running.add_metric(labels, load.num_running)
+            waiting.add_metric(labels, load.num_waiting)
+            usage.add_metric(labels, load.kv_blocks_used / max(load.kv_blocks_total, 1))
+            used.add_metric(labels, load.kv_blocks_used)
+            free.add_metric(labels, load.kv_blocks_total - load.kv_blocks_used)
+            hit_rate.add_metric(labels, load.prefix_hits / max(load.prefix_queries, 1))
+            queries.add_metric(labels, load.prefix_queries)
+            hits.add_metric(labels, load.prefix_hits)
+            moved.add_metric([*labels, load.transport], load.kv_bytes_transferred)
+            spent.add_metric([*labels, load.transport], load.kv_transfer_seconds)
+        yield from (running, waiting, usage, used, free, hit_rate, queries, hits, moved, spent)
+
+
+class RouterMetrics:
+    """Every metric of one router replica, in its own registry."""
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        r, m = self.registry, ("model",)
+        self.ttft = Histogram("pd_time_to_first_token_seconds", "Time to first token.", m,
+                              registry=r, buckets=_TTFT_BUCKETS)
+        self.tpot = Histogram("pd_time_per_output_token_seconds", "Mean time per output "
+                              "token after the first, per request.", m, registry=r,
+                              buckets=_TOKEN_BUCKETS)
+        self.itl = Histogram("pd_inter_token_latency_seconds", "Time between two outputs "
+                             "of a request.", m, registry=r, buckets=_TOKEN_BUCKETS)
+        self.e2e = Histogram("pd_e2e_request_latency_seconds", "Arrival to last token.", m,
+                             registry=r, buckets=_E2E_BUCKETS)
+        self.finished = Counter("pd_request_success", "Engine requests finished, by "
+                                "finish reason.", ("model", "finish_reason"), registry=r)
+        self.prompt_tokens = Counter("pd_prompt_tokens", "Prompt tokens received.", m,
+                                     registry=r)
+        self.generation_tokens = Counter("pd_generation_tokens", "Tokens generated.", m,
+                                         registry=r)
+        self.decisions = Counter("pd_disagg_decisions", "Routing decisions: prefill on a "
+                                 "prefill replica (remote) or on the decode replica (local).",
+                                 ("decision",), registry=r)
+        self.errors = Counter("pd_request_errors", "Requests answered with an error, by kind.",
+                              ("kind",), registry=r)
+        self.in_flight = Gauge("pd_router_engine_requests_in_flight", "Engine requests "
+                               "admitted by this router and not finished.", registry=r)
+        self.queued = Gauge("pd_router_requests_waiting", "Admitted engine requests beyond "
+                            "the engines' running slots.", registry=r)
+        self._replicas = _ReplicaCollector()
+        r.register(self._replicas)
+
+    def set_loads(self, loads: Sequence[ReplicaLoad]) -> None:
+        self._replicas.loads = list(loads)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one engine request, from arrival to its last output."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def output(self) -> None:
+        now, model = time.perf_counter(), self.metrics.model
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.labels(model).observe(now - self.start)
+        else:
+            self.metrics.itl.labels(model).observe(now - self.last)
+        self.last = now
+
+    def finish(self, finish_reason: str, num_tokens: int) -> None:
+        now, model = time.perf_counter(), self.metrics.model
+        self.metrics.e2e.labels(model).observe(now - self.start)
+        self.metrics.finished.labels(model, finish_reason).inc()
+        self.metrics.generation_tokens.labels(model).inc(num_tokens)
+        if self.first is not None and num_tokens > 1:
+            self.metrics.tpot.labels(model).observe((now - self.first) / (num_tokens - 1))

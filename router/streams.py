@@ -1,0 +1,112 @@
+"""Async plumbing of the router: admission with a bounded queue, merging choice streams,
+polling the replicas' loads."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
+
+from router.engine_client import EngineClient
+from router.errors import overloaded
+from router.metrics import RouterMetrics
+from router.routing import ReplicaLoad, RoutingPolicy
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+# Between two load reports the routing policy adds what it routed itself, so this can be slow.
+LOAD_POLL_S = 1.0
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """Counts engine requests in flight; refuses a request once the engines' running slots
+    (`capacity`) and `max_queue` waiting places are all taken, instead of queueing it."""
+
+    def __init__(self, capacity: int, max_queue: int, metrics: RouterMetrics) -> None:
+        self.capacity, self.max_queue, self.metrics = capacity, max_queue, metrics
+        self.in_flight = 0
+
+    def acquire(self, n: int) -> None:
+        """Take `n` places or raise the 429 APIError."""
+        if self.in_flight + n > self.capacity + self.max_queue:
+            raise overloaded(RETRY_AFTER_S)
+        self._set(self.in_flight + n)
+
+    def release(self, n: int) -> None:
+        self._set(self.in_flight - n)
+
+    def _set(self, in_flight: int) -> None:
+        self.in_flight = in_flight
+        self.metrics.in_flight.set(in_flight)
+        self.metrics.queued.set(max(0, in_flight - self.capacity))
+
+
+async def merge(streams: Sequence[AsyncIterator[T]], timeout_s: float
+                ) -> AsyncIterator[tuple[int, T]]:
+    """Items of all `streams` as they come, tagged with the stream's index.
+
+    The first error of any stream is raised; TimeoutError once `timeout_s` have passed in
+    all. Leaving early (error, break, cancellation) cancels every stream still running, which
+    makes them abort their engine requests.
+    """
+    queue: asyncio.Queue[tuple[int, T | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, who raises it
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"streams did not finish within {timeout_s:g} s")
+            i, item, error = await asyncio.wait_for(queue.get(), remaining)
+            if error is not None:
+                raise error
+            if item is None:
+                running -= 1
+                continue
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class LoadMonitor:
+    """Feeds the replicas' load reports to the routing policy and the metrics, every
+    LOAD_POLL_S in the background and on demand (a /metrics scrape)."""
+
+    def __init__(self, client: EngineClient, policy: RoutingPolicy,
+                 metrics: RouterMetrics) -> None:
+        self.client, self.policy, self.metrics = client, policy, metrics
+        self._task: asyncio.Task | None = None
+
+    def ensure_started(self) -> None:
+        """Start polling on the running event loop (the replica's), once."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def refresh(self) -> list[ReplicaLoad]:
+        loads = await self.client.loads()
+        self.policy.observe(loads)
+        self.metrics.set_loads(loads)
+        return loads
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as e:  # noqa: BLE001 - keep the last reports, try again later
+                logger.warning("load poll failed: %r", e)
+            await asyncio.sleep(LOAD_POLL_S)
