@@ -97,8 +97,9 @@ class KVTransport(ABC):
         self.peers: dict[str, PoolDescriptor] = {}
         self._outgoing: dict[str, Transfer] = {}
         self._targets: dict[str, Transfer] = {}
-        # Notices that beat expect() (a fast peer): kept until expect() or the timeout.
-        self._unclaimed: dict[str, tuple[float, Message]] = {}
+        # Messages that beat expect() (a fast peer), in arrival order (a late RENEW must not
+        # hide the DONE): kept until expect() or the timeout.
+        self._unclaimed: dict[str, tuple[float, list[Message]]] = {}
 
     # -- setup ---------------------------------------------------------------------------
     def register(self, kv: torch.Tensor, layout: KVLayout) -> None:
@@ -147,9 +148,8 @@ class KVTransport(ABC):
         t = Transfer(transfer_id, peer, Role.TARGET, now + self.timeout_s, lease,
                      lease_until=now + lease)
         self._targets[transfer_id] = t
-        early = self._unclaimed.pop(transfer_id, None)
-        if early:
-            self._apply(t, early[1])
+        for msg in self._unclaimed.pop(transfer_id, (0, []))[1]:
+            self._apply(t, msg)
         return t
 
     def poll(self, t: Transfer) -> TransferState:
@@ -157,11 +157,16 @@ class KVTransport(ABC):
         return t.state
 
     def wait(self, t: Transfer) -> None:
-        """Poll until `t` ends (its deadline bounds this); raise TransferError unless DONE."""
-        pause = 1e-4
+        """Poll until `t` ends (its deadline bounds this); raise TransferError unless DONE.
+
+        Spins for the first 2 ms: a GPU transfer of a whole prompt takes about 1 ms, and
+        even a short sleep would dominate it. Then backs off to 5 ms sleeps.
+        """
+        spin_until, pause = time.monotonic() + 2e-3, 1e-4
         while not self.poll(t).finished:
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-3)
+            if time.monotonic() > spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, 5e-3)
         t.raise_if_failed()
 
     def abort(self, t: Transfer, reason: str = "aborted by owner") -> None:
@@ -240,7 +245,7 @@ class KVTransport(ABC):
             self._cancel(mine)
             self._finish(mine, TransferState.ABORTED, f"aborted by peer {msg.sender}: {msg.detail}")
         elif mine is None:
-            self._unclaimed[msg.transfer_id] = (time.monotonic(), msg)
+            self._unclaimed.setdefault(msg.transfer_id, (time.monotonic(), []))[1].append(msg)
 
     def _apply(self, t: Transfer, msg: Message) -> None:
         if t.state.finished:
@@ -268,9 +273,9 @@ class KVTransport(ABC):
         t = Transfer(transfer_id or uuid.uuid4().hex, peer, role,
                      time.monotonic() + self.timeout_s, self.lease_s)
         self._outgoing[t.id] = t
-        early = self._unclaimed.pop(t.id, (0, None))[1]
-        if early is not None and early.kind is MsgKind.ABORT:  # the peer gave up already
-            self._finish(t, TransferState.ABORTED, f"aborted by peer {peer}: {early.detail}")
+        early = [m for m in self._unclaimed.pop(t.id, (0, []))[1] if m.kind is MsgKind.ABORT]
+        if early:  # the peer gave up already
+            self._finish(t, TransferState.ABORTED, f"aborted by peer {peer}: {early[0].detail}")
             return t
         try:
             self._post(t, copies)

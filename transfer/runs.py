@@ -45,7 +45,6 @@ def byte_runs(src: KVLayout, dst: KVLayout, layers: range, src_blocks: Sequence[
             raise ValueError(f"block ids {bad[:4]} out of range for a pool of {layout.num_blocks}")
     if layers.start < 0 or layers.stop > src.num_layers or layers.step != 1:
         raise ValueError(f"layers {layers} not a contiguous range within {src.num_layers} layers")
-    nb = src.block_bytes
+    nb, runs = src.block_bytes, block_runs(src_blocks, dst_blocks)
     return [(block_offset(src, layer, kv, s), block_offset(dst, layer, kv, d), n * nb)
-            for layer in layers for kv in (0, 1)
-            for s, d, n in block_runs(src_blocks, dst_blocks)]
+            for layer in layers for kv in (0, 1) for s, d, n in runs]

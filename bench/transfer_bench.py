@@ -1,0 +1,154 @@
+"""KV transfer bandwidth between two Ray actors (one GPU each with --devices cuda), and through
+the DistributedKVCache (engine → pinned host pool → engine). Prints one JSON object.
+
+    python3 bench/transfer_bench.py --backend nixl --devices cuda --block-size 16
+    python3 bench/transfer_bench.py --backend nixl --devices cpu --tokens 512 --iters 5
+
+Model shape defaults to Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16): a 2048-token
+prompt is 256 MiB of KV. GB/s are 1e9 bytes per second of KV moved, timed on the sender from
+posting the transfer to its completion (for two-sided backends: the receiver's ACK).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import ray
+import torch
+
+from actors.kv_pool import DistributedKVCache, KVCacheClient
+from pd_cluster.kv_layout import KVLayout
+from transfer.registry import make_transport
+
+
+class Side:
+    """One engine's KV pool (random contents) and transport, inside a Ray actor."""
+
+    def __init__(self, backend: str, layout: KVLayout, device: str, seed: int):
+        torch.manual_seed(seed)
+        self.kv = torch.randn(layout.shape, device=device).to(layout.torch_dtype) if seed \
+            else layout.allocate(device)
+        self.t = make_transport(backend, timeout_s=120.0, lease_s=30.0)
+        self.t.register(self.kv, layout)
+        self.blocks = list(range(layout.num_blocks))
+
+    def descriptor(self) -> bytes:
+        return self.t.descriptor().encode()
+
+    def connect(self, desc: bytes) -> str:
+        return self.t.connect(desc)
+
+    def serve(self, peer: str, tids: list[str]) -> None:
+        """Receiver: track (and for two-sided backends, carry out) the sender's transfers."""
+        for tid in tids:
+            t = self.t.expect(peer, tid)
+            self.t.wait(t)
+            self.t.release(t)
+
+    def push(self, peer: str, tids: list[list[str]], layer_ranges: list[range]) -> list[float]:
+        """Seconds per round; each round posts one write per layer range, then waits for all."""
+        times = []
+        for round_tids in tids:
+            start = time.perf_counter()
+            ts = [self.t.write(peer, self.blocks, self.blocks, r, transfer_id=tid)
+                  for tid, r in zip(round_tids, layer_ranges)]
+            for t in ts:
+                self.t.wait(t)
+            times.append(time.perf_counter() - start)
+            for t in ts:
+                self.t.release(t)
+        return times
+
+    def pool_round_trip(self, pool, iters: int) -> tuple[list[float], list[float]]:
+        client = KVCacheClient(pool, self.t)
+        puts, gets = [], []
+        for i in range(iters):
+            keys = [(i << 32) | b for b in self.blocks]  # fresh prefix hashes: nothing cached
+            start = time.perf_counter()
+            client.put(keys, self.blocks)
+            puts.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            client.get(keys, self.blocks)
+            gets.append(time.perf_counter() - start)
+        return puts, gets
+
+    def checksum(self) -> int:
+        return int(self.kv.view(-1).view(torch.int16).to(torch.int64).sum())
+
+
+def _rates(seconds: list[float], nbytes: int, warmup: int) -> dict:
+    s = seconds[warmup:]
+    return dict(gbps_median=round(nbytes / statistics.median(s) / 1e9, 2),
+                gbps_best=round(nbytes / min(s) / 1e9, 2),
+                ms_median=round(statistics.median(s) * 1e3, 3))
+
+
+def _tids(prefix: str, rounds: int, per_round: int) -> list[list[str]]:
+    return [[f"{prefix}-{r}-{i}" for i in range(per_round)] for r in range(rounds)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    layout = KVLayout("llama-3.1-8b-shape", args.dtype, args.layers,
+                      -(-args.tokens // args.block_size), args.block_size, args.kv_heads,
+                      args.head_dim)
+    gpus = 0.9 if args.devices == "cuda" else 0  # 0.9: two engines never share a GPU
+    cls = ray.remote(num_cpus=0, num_gpus=gpus)(Side)
+    device = "cuda" if args.devices == "cuda" else "cpu"
+    sender, receiver = (cls.remote(args.backend, layout, device, s) for s in (1, 0))
+    s_name = ray.get(receiver.connect.remote(ray.get(sender.descriptor.remote())))
+    r_name = ray.get(sender.connect.remote(ray.get(receiver.descriptor.remote())))
+    nbytes = layout.block_bytes * 2 * layout.num_layers * layout.num_blocks
+    rounds = args.warmup + args.iters
+    out = dict(backend=args.backend, devices=args.devices, tokens=args.tokens,
+               block_size=args.block_size, layers=args.layers, dtype=args.dtype,
+               prompt_kv_bytes=nbytes, node_gpus=torch.cuda.device_count())
+    whole = [range(layout.num_layers)]
+    layer = [range(i, i + 1) for i in range(layout.num_layers)]
+    for name, ranges, reps in (("whole_prompt", whole, rounds), ("per_layer_pipelined", layer, rounds)):
+        tids = _tids(name, reps, len(ranges))
+        serving = receiver.serve.remote(s_name, [t for r in tids for t in r])
+        secs = ray.get(sender.push.remote(r_name, tids, ranges))
+        ray.get(serving)
+        out[name] = _rates(secs, nbytes, args.warmup)
+        if name == "whole_prompt":
+            out["verified"] = ray.get(sender.checksum.remote()) == ray.get(receiver.checksum.remote())
+    # One layer at a time, waiting for each: what a layer-by-layer push achieves per layer.
+    tids = _tids("layer", rounds * 4, 1)
+    serving = receiver.serve.remote(s_name, [t[0] for t in tids])
+    secs = ray.get(sender.push.remote(r_name, tids, [range(0, 1)]))
+    ray.get(serving)
+    out["per_layer"] = _rates(secs, nbytes // layout.num_layers, args.warmup * 4)
+    if not args.skip_pool:
+        pool = ray.remote(num_cpus=0, num_gpus=0.05 if gpus else 0, max_concurrency=8)(
+            DistributedKVCache).remote(layout, args.backend, timeout_s=120.0, lease_s=30.0)
+        puts, gets = ray.get(sender.pool_round_trip.remote(pool, rounds))
+        out["kv_cache_in"], out["kv_cache_out"] = (_rates(x, nbytes, args.warmup)
+                                                   for x in (puts, gets))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", default="nixl", choices=["nixl", "ucx", "ray"])
+    p.add_argument("--devices", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--skip-pool", action="store_true", help="skip the DistributedKVCache part")
+    args = p.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        print(json.dumps(run(args), indent=1))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
