@@ -27,8 +27,10 @@ import triton.language as tl
 
 from kernels.paged import attend_paged_range
 
-# Splitting fills the GPU when batch x kv_heads is small; these bound how far it goes.
-PROGRAMS_PER_SM = 4       # aim for this many stage-1 programs per SM (covers wave tails)
+# Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
+# 128, bench sweeps): KV bandwidth saturates once about 3.5 stage-1 programs per SM are in
+# flight, whatever the occupancy allows; more splits only add merge work.
+PROGRAMS_PER_SM = 3.5
 MIN_SPLIT_TOKENS = 256    # shorter chunks cost more in stage 2 than they win in stage 1
 MAX_SPLITS = 64
 DEFAULT_SMS = 132         # H100/H200, used off-GPU (the interpreter) to keep choices stable
@@ -68,7 +70,7 @@ def _decode_stage1_kernel(
     acc, m_i, l_i = attend_paged_range(
         acc, m_i, l_i, q, offs_h, KCache, VCache, BlockTables + seq * stride_bt,
         kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
-        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False)
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False)
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
     tl.store(part + offs_d[None, :], acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
     tl.store(PartialLse + seq * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
@@ -110,9 +112,10 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """How many chunks to cut each sequence into so that stage 1 fills the GPU."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
+def choose_num_splits(seq_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Chunks per sequence for seq_heads = batch x kv_heads stage-1 programs per chunk: the
+    fewest that put PROGRAMS_PER_SM programs on every SM, if the context is long enough."""
+    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / seq_heads)
     worthwhile = triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)
     return max(1, min(wanted, worthwhile, MAX_SPLITS))
 
@@ -121,7 +124,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 2,
+    num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """Attend each sequence's single query token to its paged context (module docstring).
 
@@ -135,13 +138,15 @@ def decode_attention(
         return out
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and q.dtype == k_cache.dtype
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device))
     block_n = block_n or (64 if head_dim <= 128 else 32)
-    group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
+    group = num_heads // num_kv_heads
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+                BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+                BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    if num_splits is None:
+        max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(q.device))
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                               device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -149,10 +154,7 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse,
         scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), *partial_out.stride()[:3], *partial_lse.stride()[:2],
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages)
+        block_tables.stride(0), *partial_out.stride()[:3], *partial_lse.stride()[:2], **meta)
     _decode_stage2_kernel[(batch, num_heads)](
         partial_out, partial_lse, seq_lens, out, num_splits,
         *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),

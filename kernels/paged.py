@@ -26,11 +26,13 @@ def paged_token_offsets(table_row, offs_n, mask_n, stride_block, stride_slot,
 @triton.jit
 def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset,
                        start, end, qk_scale, stride_block, stride_slot, offs_d, mask_d,
-                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr,
+                       CAUSAL: tl.constexpr):
     """Online-softmax attention of q [M, BLOCK_D] to positions [start, end) of one sequence.
 
     acc [M, BLOCK_D] (unnormalised output), m_i [M] (running max), l_i [M] (running sum)
-    are carried in and returned. With CAUSAL, row r only sees positions <= q_pos[r].
+    are carried in and returned. BOUNDS masks scores past `end` (a ragged last tile); CAUSAL
+    lets row r see only positions <= q_pos[r]; with neither, every tile must be full.
     Each K/V tile is loaded once for all M rows: for decode the rows are the query heads of
     one KV head's group, which is how GQA reads the cache once per group.
     """
@@ -44,10 +46,10 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
         k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0)
         v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = mask_n[None, :]
+        if BOUNDS:
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
         if CAUSAL:
-            visible = visible & (offs_n[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
+            qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
         # Callers ensure each row has seen a position by the end of its first tile, so
         # m_new stays finite (no -inf - -inf = NaN).
         m_new = tl.maximum(m_i, tl.max(qk, 1))

@@ -12,8 +12,9 @@ positions 0..its own. K/V are read from the cache only, so the new tokens must b
 first (kv_store); a cached prefix then needs nothing special.
 
 Grid (cdiv(max_query_len, BLOCK_M), num_heads, B): a program owns BLOCK_M queries of one head.
-Keys up to its first query's position are visible to all its rows and run without the causal
-mask; only the tiles on the diagonal pay for it.
+Keys up to its first query's position are visible to all its rows and run without any mask;
+only the tiles on the diagonal pay for the causal one. That mask also hides positions past
+the sequence in the last tile from every row that is stored (row j sees <= its own position).
 """
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ def _prefill_kernel(
     acc, m_i, l_i = attend_paged_range(
         acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset, 0, unmasked_end,
         qk_scale, stride_cb, stride_cs, offs_d, mask_d,
-        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False)
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=False)
     acc, m_i, l_i = attend_paged_range(
         acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset, unmasked_end, kv_end,
         qk_scale, stride_cb, stride_cs, offs_d, mask_d,
-        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=True)
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=True)
     tl.store(Out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              (acc / l_i[:, None]).to(Out.dtype.element_ty),
              mask=mask_m[:, None] & mask_d[None, :])

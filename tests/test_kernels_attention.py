@@ -76,10 +76,12 @@ def test_decode_attention_matches_reference(head_dim, block_size, num_heads, num
 
 
 def test_num_splits_fill_the_gpu_but_stay_long_enough():
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 64
-    assert choose_num_splits(batch=64, num_kv_heads=8, max_seq_len=4096, num_sms=132) == 2
-    assert choose_num_splits(batch=4, num_kv_heads=8, max_seq_len=1000, num_sms=132) == 4
-    assert choose_num_splits(batch=256, num_kv_heads=8, max_seq_len=4096, num_sms=132) == 1
+    # batch x 8 KV heads on 132 SMs: about 462 programs wanted, chunks of >= 256 tokens.
+    assert choose_num_splits(seq_heads=64 * 8, max_seq_len=4096, num_sms=132) == 1
+    assert choose_num_splits(seq_heads=16 * 8, max_seq_len=8192, num_sms=132) == 4
+    assert choose_num_splits(seq_heads=16 * 8, max_seq_len=300, num_sms=132) == 2
+    assert choose_num_splits(seq_heads=4 * 8, max_seq_len=32768, num_sms=132) == 15
+    assert choose_num_splits(seq_heads=1 * 8, max_seq_len=32768, num_sms=132) == 58
 
 
 # (cached prefix, new tokens) per sequence: a fresh prompt, chunks after cached prefixes
