@@ -50,9 +50,15 @@ def model_dir(config: AppConfig) -> str:
     return config.model
 
 
+def context_length(config: AppConfig, path: str) -> int:
+    """max_model_len as the engine would choose it; computed once by the router and passed
+    to the engines, so the router's prompt limits and the engines' agree."""
+    return config.max_model_len or min(ModelConfig.from_dir(path).max_position_embeddings,
+                                       MAX_DEFAULT_CONTEXT)
+
+
 def engine_config(config: AppConfig, max_model_len: int) -> EngineConfig:
-    """What every engine replica runs with; the router computes max_model_len once and
-    passes it on, so its prompt limits and the engines' agree."""
+    """What every engine replica runs with."""
     return EngineConfig(model=None if config.model == "default" else config.model,
                         dtype=config.dtype, block_size=config.block_size,
                         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
@@ -80,8 +86,7 @@ class OpenAIRouter:
         if tokenizer is None:
             raise ValueError(f"model: {config.model!r} has no tokenizer files; the router "
                              "needs one to serve text")
-        max_model_len = config.max_model_len or min(
-            ModelConfig.from_dir(path).max_position_embeddings, MAX_DEFAULT_CONTEXT)
+        max_model_len = context_length(config, path)
         client = start_client(config, engine_config(config, max_model_len), actor_options)
         await client.wait_ready(ENGINE_START_TIMEOUT_S)
         metrics = RouterMetrics(config.model)

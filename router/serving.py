@@ -9,6 +9,7 @@ stream, which aborts every engine request still running, so their KV blocks are 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from contextlib import aclosing
@@ -31,6 +32,7 @@ from router.streams import Admission, merge
 
 logger = logging.getLogger(__name__)
 Body = dict[str, Any] | AsyncIterator[str]   # a JSON body, or SSE events to stream
+CLIENT_GONE = "client_disconnected"          # error kind of requests cancelled by the client
 
 
 @dataclass(slots=True)
@@ -229,6 +231,9 @@ class _Run:
         try:
             async for i, out in self._items():
                 self._update(i, out)
+        except asyncio.CancelledError:
+            self.serving.metrics.errors.labels(CLIENT_GONE).inc()
+            raise
         finally:
             await self.outputs.aclose()
         return self.fmt.response(self.choices, self.usage())
@@ -244,6 +249,9 @@ class _Run:
                     yield sse(self.fmt.chunk(i, out.delta_text, ids, lps, reason))
             if self.include_usage:
                 yield sse(self.fmt.usage_chunk(self.usage()))
+        except (asyncio.CancelledError, GeneratorExit):   # the client went away mid-stream
+            self.serving.metrics.errors.labels(CLIENT_GONE).inc()
+            raise
         except APIError as e:     # after the 200 went out: the error travels as an event
             self.serving.metrics.errors.labels(e.kind).inc()
             yield sse(e.body())

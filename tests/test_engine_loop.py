@@ -55,7 +55,7 @@ def test_concurrent_streams_match_the_engine_alone(loop: EngineLoop, config: Eng
 
     streams = run(both())
     engine = LLMEngine(config)
-    for prompt, outs in zip(PROMPTS, streams):
+    for prompt, outs in zip(PROMPTS, streams, strict=True):
         engine.add_request(prompt, GREEDY, "ref")
         ref = None
         while engine.has_unfinished():

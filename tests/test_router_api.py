@@ -216,3 +216,12 @@ def test_full_queue_answers_429_with_retry_after(tokenizer):
             client.portal.call(engine.release.set)
             assert sse_events(held)[-1]["choices"][0]["finish_reason"] == "length"
         assert complete(client).status_code == 200
+
+
+def test_request_over_its_time_limit_is_aborted_with_504(tokenizer):
+    client, engine = make_client(tokenizer, limits={"max_tokens": 32, "request_timeout_s": 0.5})
+    with client:
+        late = complete(client, prompt="slow", max_tokens=3)
+        assert error_of(late, 504)["type"] == "timeout_error"
+        assert not engine.active        # the engine request was cancelled, not left running
+        assert complete(client).status_code == 200

@@ -1,0 +1,272 @@
+"""The real `serve run configs/pd.yaml` (a subprocess on a local Ray, loopback only), driven
+with the official openai client: completions and chat, streamed and not, stop strings, seeds,
+n > 1, logprobs, usage with cached tokens, the factual answer; 4xx OpenAI errors that leave
+the server serving; 64 concurrent streams of which a quarter disconnect, after which no
+request runs and every KV block is free; /metrics parsed by prometheus_client.
+
+The server starts once for the module (model load included, about a minute on 2 CPUs).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402 - after the importorskip
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
+# Until the disaggregated actors land, the app runs colocated; then this becomes {}.
+ARGS_OVERRIDES = {"mode": "colocated", "num_prefill": 0}
+KEY_ENV, KEY = "PD_TEST_API_KEY", "sk-router-test"     # auth on, to test a wrong key
+START_TIMEOUT_S = 600
+FRANCE = "The capital of France is"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(directory: Path) -> Path:
+    config = yaml.safe_load(SERVE_CONFIG.read_text())
+    config["applications"][0]["args"].update(ARGS_OVERRIDES, api_key_env=KEY_ENV)
+    path = directory / "pd.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve run exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"no healthy server after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """URL of `serve run` on a private local Ray (2 CPUs); everything is stopped afterwards.
+
+    Serve is started first with a free loopback port, so the config file's port 8000 is
+    ignored by `serve run` ("The new HTTP config is ignored") and parallel runs do not clash.
+    """
+    work = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))   # short: Ray's socket paths
+    os.environ[KEY_ENV] = KEY
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="serve",
+                   log_to_driver=False, _temp_dir=str(work / "ray"))
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    log = work / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run",
+                                 "--address", ctx.address_info["gcs_address"],
+                                 str(write_config(work))], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)       # serve run shuts the app down on Ctrl-C
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: str):
+    from pd_cluster.tokenizer import load_tokenizer
+    return load_tokenizer(default_model_dir)
+
+
+def metrics_of(server: str) -> dict[str, list]:
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def replica_values(metrics: dict[str, list], name: str) -> list[float]:
+    return [s.value for s in metrics[name] if s.labels.get("role")]
+
+
+def test_capital_of_france_with_usage(client: openai.OpenAI, tokenizer):
+    done = client.completions.create(model="default", prompt=FRANCE, max_tokens=8,
+                                     temperature=0)
+    assert "Paris" in done.choices[0].text
+    assert done.usage.prompt_tokens == len(tokenizer.encode(FRANCE))
+    assert done.usage.completion_tokens == len(tokenizer.encode(done.choices[0].text)) <= 8
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+
+
+def test_chat_streamed_equals_whole_and_cached_tokens_count(client: openai.OpenAI):
+    messages = [{"role": "system", "content": "You are a terse geography assistant."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model="default", messages=messages, max_tokens=12,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(
+        model="default", messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in whole.choices[0].message.content
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # The second request found the first's prompt blocks in the prefix cache.
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < whole.usage.prompt_tokens and cached % 16 == 0
+
+
+def test_stop_string_ends_the_text_before_it(client: openai.OpenAI):
+    done = client.completions.create(model="default", prompt=FRANCE, max_tokens=8,
+                                     temperature=0, stop=["."])
+    assert done.choices[0].text.strip() == "Paris"
+    assert done.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats_and_n_gives_n_choices(client: openai.OpenAI):
+    def sample() -> list[str]:
+        done = client.completions.create(model="default", prompt="Once upon a time",
+                                         max_tokens=10, temperature=1.0, top_p=0.95,
+                                         seed=1234, n=3)
+        assert sorted(c.index for c in done.choices) == [0, 1, 2]
+        assert 3 <= done.usage.completion_tokens <= 30
+        return [c.text for c in sorted(done.choices, key=lambda c: c.index)]
+
+    first = sample()
+    assert sample() == first
+    assert len(set(first)) > 1       # each choice has its own seed (seed + index)
+
+
+def test_logprobs_in_both_shapes(client: openai.OpenAI):
+    done = client.completions.create(model="default", prompt=FRANCE, max_tokens=3,
+                                     temperature=0, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == done.usage.completion_tokens
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": FRANCE}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert content[0].logprob <= 0 and len(content[0].top_logprobs) == 3
+
+
+def test_bad_requests_get_4xx_openai_errors_and_serving_goes_on(server: str,
+                                                                client: openai.OpenAI):
+    raw = httpx.post(f"{server}/v1/completions", content=b'{"prompt": ',
+                     headers={"Authorization": f"Bearer {KEY}",
+                              "Content-Type": "application/json"}, timeout=30)
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_json"
+    cases = [(openai.NotFoundError, dict(model="gpt-5")),
+             (openai.BadRequestError, dict(temperature=-1.0)),
+             (openai.BadRequestError, dict(max_tokens=5000)),              # limit: 4096
+             (openai.BadRequestError, dict(prompt="hello " * 9000))]       # context: 8192
+    for error, override in cases:
+        with pytest.raises(error) as info:
+            client.completions.create(**{"model": "default", "prompt": FRANCE, **override})
+        assert info.value.body["message"] and info.value.status_code < 500
+    wrong_key = openai.OpenAI(base_url=f"{server}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong_key.models.list()
+    assert [m.id for m in client.models.list().data] == ["default"]
+    assert client.completions.create(model="default", prompt=FRANCE, max_tokens=2).choices
+    errors = {s.labels["kind"] for s in metrics_of(server)["pd_request_errors"]}
+    assert {"invalid_json", "model_not_found", "invalid_api_key"} <= errors
+
+
+async def stream_one(aclient: openai.AsyncOpenAI, i: int, leave: bool) -> tuple[str, bool]:
+    """One streaming client; if `leave`, it hangs up after two chunks. Returns its finish
+    reason ("" if none) and whether it hung up on an unfinished stream."""
+    stream = await aclient.completions.create(
+        model="default", prompt=f"Story number {i}: once upon a time", temperature=0,
+        max_tokens=64 if leave else 12, stream=True)
+    seen = 0
+    async for chunk in stream:
+        seen += 1
+        reason = chunk.choices[0].finish_reason
+        if reason:
+            return reason, False
+        if leave and seen == 2:
+            await stream.close()
+            return "", True
+    return "", False
+
+
+def test_64_streams_with_a_quarter_disconnecting_leave_nothing_behind(server: str):
+    before = sum(s.value for s in metrics_of(server)["pd_request_errors"]
+                 if s.labels.get("kind") == "client_disconnected")
+
+    async def run_all():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0,
+                                     timeout=300)
+        async with aclient:
+            return await asyncio.wait_for(asyncio.gather(
+                *[stream_one(aclient, i, leave=i % 4 == 0) for i in range(64)]), 400)
+
+    results = asyncio.run(run_all())
+    stayed = [reason for i, (reason, _) in enumerate(results) if i % 4]
+    assert all(reason in ("stop", "length") for reason in stayed), stayed
+    hung_up = sum(left for _, left in results)
+    assert hung_up >= 12
+    for _ in range(60):
+        metrics = metrics_of(server)
+        busy = (replica_values(metrics, "pd_num_requests_running")
+                + replica_values(metrics, "pd_num_requests_waiting")
+                + replica_values(metrics, "pd_kv_blocks_used"))
+        if not any(busy):
+            break
+        time.sleep(1)
+    assert not any(busy), busy
+    assert replica_values(metrics, "pd_kv_cache_usage_ratio") == [0.0]
+    gone = sum(s.value for s in metrics["pd_request_errors"]
+               if s.labels.get("kind") == "client_disconnected")
+    assert gone - before == hung_up
+
+
+def test_metrics_parse_and_expose_the_dashboard_names(server: str):
+    metrics = metrics_of(server)
+    for name in ["pd_time_to_first_token_seconds", "pd_time_per_output_token_seconds",
+                 "pd_inter_token_latency_seconds", "pd_e2e_request_latency_seconds",
+                 "pd_num_requests_running", "pd_num_requests_waiting",
+                 "pd_kv_cache_usage_ratio", "pd_kv_blocks_used", "pd_kv_blocks_free",
+                 "pd_prefix_cache_hit_rate", "pd_prefix_cache_hits", "pd_kv_transfer_bytes",
+                 "pd_kv_transfer_seconds", "pd_disagg_decisions", "pd_request_errors",
+                 "pd_request_success", "pd_router_requests_waiting"]:
+        assert name in metrics, name
+    ttft_count = [s for s in metrics["pd_time_to_first_token_seconds"]
+                  if s.name.endswith("_count")]
+    assert ttft_count[0].value > 0
+    roles = {s.labels["role"] for s in metrics["pd_num_requests_running"]}
+    assert roles <= {"prefill", "decode"} and "decode" in roles
+    assert max(replica_values(metrics, "pd_prefix_cache_hit_rate")) > 0
