@@ -180,7 +180,7 @@ def test_a_killed_sender_ends_in_lease_expiry(engines, kv) -> None:
     backend, _, d, _ = engines
     doomed = spawn(backend, kv=kv)
     doomed_name, d_name = link(doomed, d)
-    dst = ray.get(d.reserve.remote(doomed_name, 6, "req5"))
+    ray.get(d.reserve.remote(doomed_name, 6, "req5"))
     ray.kill(doomed)
     state, err = ray.get(d.finish.remote("req5"))
     assert state == "expired" and doomed_name in err
