@@ -34,6 +34,10 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extensions, which load generators (ignore_eos) and clients of vLLM rely on.
+    top_k: int = Field(0, ge=-1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -50,8 +54,10 @@ class _Common(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         """Engine parameters of choice `index` (seeded choices differ by their index)."""
         seed = None if self.seed is None else self.seed + index
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed,
-                              stop=list(self.stop or []), max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              seed=seed, stop=list(self.stop or []), max_tokens=max_tokens,
+                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                              logprobs=logprobs)
 
 
 class CompletionRequest(_Common):

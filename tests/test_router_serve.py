@@ -35,6 +35,8 @@ ARGS_OVERRIDES = {"mode": "colocated", "num_prefill": 0}
 KEY_ENV, KEY = "PD_TEST_API_KEY", "sk-router-test"     # auth on, to test a wrong key
 START_TIMEOUT_S = 600
 FRANCE = "The capital of France is"
+LEAVER_TOKENS = 4000            # at >= 20 ms per decode step: over 80 s to finish naturally
+IDLE_WITHIN_S = 30
 
 
 def free_port() -> int:
@@ -208,9 +210,12 @@ def test_bad_requests_get_4xx_openai_errors_and_serving_goes_on(server: str,
 async def stream_one(aclient: openai.AsyncOpenAI, i: int, leave: bool) -> tuple[str, bool]:
     """One streaming client; if `leave`, it hangs up after two chunks. Returns its finish
     reason ("" if none) and whether it hung up on an unfinished stream."""
+    # A leaver asks for far more tokens than could be generated in the test's time, so its
+    # KV can only be free afterwards if hanging up aborted it.
     stream = await aclient.completions.create(
         model="default", prompt=f"Story number {i}: once upon a time", temperature=0,
-        max_tokens=64 if leave else 12, stream=True)
+        max_tokens=LEAVER_TOKENS if leave else 12, stream=True,
+        extra_body={"ignore_eos": leave})
     seen = 0
     async for chunk in stream:
         seen += 1
@@ -239,7 +244,7 @@ def test_64_streams_with_a_quarter_disconnecting_leave_nothing_behind(server: st
     assert all(reason in ("stop", "length") for reason in stayed), stayed
     hung_up = sum(left for _, left in results)
     assert hung_up >= 12
-    for _ in range(60):
+    for _ in range(IDLE_WITHIN_S):
         metrics = metrics_of(server)
         busy = (replica_values(metrics, "pd_num_requests_running")
                 + replica_values(metrics, "pd_num_requests_waiting")
