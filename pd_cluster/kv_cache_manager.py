@@ -46,7 +46,7 @@ class KVCacheManager:
     def can_allocate(self, request: Request, num_new_tokens: int,
                      cached: list[Block] | None = None) -> bool:
         cached = cached or []
-        have = len(self._blocks.get(request.request_id, ())) + len(cached)
+        have = len(request.block_ids) + len(cached)
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
         # Cached blocks sitting in the free queue are about to be revived, not available.
         revived = sum(1 for b in cached if b.ref_count == 0)
@@ -59,19 +59,24 @@ class KVCacheManager:
         if cached:
             self.pool.touch(cached)
             blocks.extend(cached)
+            request.block_ids.extend(b.block_id for b in cached)
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(blocks)
         if need > 0:
-            blocks.extend(self.pool.allocate(need))
-        request.block_ids = [b.block_id for b in blocks]
+            new = self.pool.allocate(need)
+            blocks.extend(new)
+            request.block_ids.extend(b.block_id for b in new)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Index every block whose tokens are now all computed, chaining hashes."""
         if not self.pool.enable_prefix_caching:
             return
-        blocks = self._blocks.get(request.request_id, [])
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
-        for i in range(len(hashes), min(request.num_computed_tokens // bs, len(blocks))):
+        full = request.num_computed_tokens // bs
+        if full <= len(hashes):  # the common decode step: no block filled up
+            return
+        blocks = self._blocks.get(request.request_id, [])
+        for i in range(len(hashes), min(full, len(blocks))):
             chunk = request.token_slice(i * bs, (i + 1) * bs)
             hashes.append(hash_block(hashes[-1] if hashes else None, chunk))
             self.pool.cache(blocks[i], hashes[-1], chunk)

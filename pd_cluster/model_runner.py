@@ -116,18 +116,19 @@ class ModelRunner:
 
     def _prepare(self, plan: SchedulerOutput):
         bs = self.block_size
-        ids, pos, slots, q_start, seq_lens, sample_idx = [], [], [], [0], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_start, seq_lens, sample_idx = [0], [], []
         max_blocks = max(len(s.request.block_ids) for s in plan.scheduled)
         tables = np.zeros((len(plan.scheduled), max_blocks), dtype=np.int32)
         for i, s in enumerate(plan.scheduled):
             req, start = s.request, s.request.num_computed_tokens
-            end = start + s.num_tokens
+            end, blocks = start + s.num_tokens, req.block_ids
             ids.extend(req.token_slice(start, end))
-            p = np.arange(start, end)
-            pos.append(p)
-            table = np.asarray(req.block_ids, dtype=np.int64)
-            slots.append(table[p // bs] * bs + p % bs)
-            tables[i, :len(table)] = table
+            pos.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            tables[i, :len(blocks)] = blocks
             q_start.append(q_start[-1] + s.num_tokens)
             seq_lens.append(end)
             if s.samples:
@@ -135,15 +136,16 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < len(plan.scheduled) and plan.scheduled[num_decodes].num_tokens == 1:
             num_decodes += 1
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=self._to_device(slots, torch.long),
+            query_start_loc=self._to_device(q_start, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=torch.from_numpy(tables).to(self.device),
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
             max_query_len=max(s.num_tokens for s in plan.scheduled), max_seq_len=max(seq_lens),
             query_start_loc_cpu=q_start, seq_lens_cpu=seq_lens)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos)).to(dev)
-        return input_ids, positions, meta, torch.tensor(sample_idx, dtype=torch.long, device=dev)
+        return (self._to_device(ids, torch.long), self._to_device(pos, torch.long), meta,
+                self._to_device(sample_idx, torch.long))
+
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

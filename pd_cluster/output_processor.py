@@ -68,9 +68,9 @@ class OutputProcessor:
         delta = "".join(stream.pending)
         stream.pending.clear()
         stream.text += delta
-        tokens = list(req.output_token_ids)
+        tokens = req.output_token_ids
         done = CompletionOutput(0, stream.text, tokens,
-                                list(req.output_logprobs) if req.params.logprobs is not None
+                                req.output_logprobs if req.params.logprobs is not None
                                 else None, req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt_token_ids, [done], finished,
                              max(req.num_cached_tokens, 0), delta, tokens[-1:] if tokens else [],

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One completion so far. While unfinished, `token_ids` and `logprobs` are the engine's
+    live lists (no copy per step): copy them to keep a snapshot across steps."""
+
     index: int
     text: str = ""                                       # everything generated so far
     token_ids: list[int] = field(default_factory=list)

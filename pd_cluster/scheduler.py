@@ -109,7 +109,7 @@ class Scheduler:
         # Decodes first, then prefills already under way; preemption only ever hits `running`.
         for decoding in (True, False):
             for req in [r for r in self.running if self._is_decode(r) == decoding]:
-                if req not in self.running:  # preempted earlier in this loop
+                if req.status is RequestStatus.WAITING:  # preempted earlier in this loop
                     continue
                 n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_prefill_chunk)
                 if n > 0 and self._make_room(req, n, out):
