@@ -79,11 +79,16 @@ def test_consumer_that_stops_early_aborts_and_frees_kv(loop: EngineLoop):
 
 def test_cancelled_consumer_aborts_and_frees_kv(loop: EngineLoop):
     async def cancel_mid_stream():
-        long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-        task = asyncio.create_task(collect(loop, "cancelled", PROMPTS[1], long))
-        while loop.load()["num_running"] == 0:
-            await asyncio.sleep(0.01)
-        task.cancel()
+        long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in loop.stream("cancelled", PROMPTS[1], long):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 30)
+        task.cancel()               # right after the first output: 79 tokens still to go
         with pytest.raises(asyncio.CancelledError):
             await task
         await wait_idle(loop)
@@ -93,7 +98,7 @@ def test_cancelled_consumer_aborts_and_frees_kv(loop: EngineLoop):
 
 def test_abort_ends_the_stream_with_reason_abort(loop: EngineLoop):
     async def abort_mid_stream():
-        long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
         outs = []
         async for out in loop.stream("aborted", PROMPTS[0], long):
             outs.append(out)
@@ -103,7 +108,7 @@ def test_abort_ends_the_stream_with_reason_abort(loop: EngineLoop):
 
     outs, _ = run(abort_mid_stream())
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-    assert len(outs[-1].outputs[0].token_ids) < 60
+    assert len(outs[-1].outputs[0].token_ids) < 80
 
 
 def test_refused_request_raises_and_the_loop_keeps_serving(loop: EngineLoop):
