@@ -46,6 +46,25 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    hold_kv: bool = False
+
+
+@dataclass(slots=True)
+class _Resume:
+    """Decode side: a reserved request's KV has landed; continue from its first token."""
+
+    request_id: str
+    token: int
+    logprobs: dict[int, float] | None
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread; its result goes to `future` on `loop`."""
+
+    fn: Any
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 @dataclass(slots=True)
@@ -67,7 +86,9 @@ class EngineLoop:
     def __init__(self, config: EngineConfig, stall_timeout_s: float = 600.0) -> None:
         self.engine = LLMEngine(config)
         self.stall_timeout_s = stall_timeout_s   # longest wait for a request's next output
-        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _Resume | _Call] = collections.deque()
+        # Watches every step (the prefill side's KV pusher); set before requests arrive.
+        self.listener = None
         self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -75,15 +96,35 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    async def stream(self, request_id: str, prompt_ids: list[int],
-                     params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; raises RequestRejected, EngineFailed or
-        TimeoutError. Stopping the iteration early aborts the request."""
+        TimeoutError. Stopping the iteration early aborts the request. `hold_kv`: see
+        `LLMEngine.add_request` (the prefill side of disaggregation)."""
+        async for out in self._consume(request_id,
+                                       _Add(request_id, list(prompt_ids), params, hold_kv)):
+            yield out
+
+    async def resume(self, request_id: str, token: int,
+                     logprobs: dict[int, float] | None) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request reserved with `call(engine.reserve)` whose KV has arrived."""
+        async for out in self._consume(request_id, _Resume(request_id, token, logprobs)):
+            yield out
+
+    async def call(self, fn: Any, timeout_s: float = 60.0) -> Any:
+        """`fn(engine)` on the engine thread, between steps; returns its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._submit(_Call(fn, loop, future))
+        return await asyncio.wait_for(future, timeout_s)
+
+    async def _consume(self, request_id: str,
+                       start: _Add | _Resume) -> AsyncIterator[RequestOutput]:
         if request_id in self._sinks:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         sink = _Sink(asyncio.get_running_loop())
         self._sinks[request_id] = sink
-        self._submit(_Add(request_id, list(prompt_ids), params))
+        self._submit(start)
         finished = False
         try:
             while not finished:
@@ -112,7 +153,7 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=60)
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Resume | _Call) -> None:
         self._commands.append(command)
         self._wake.set()
 
@@ -125,7 +166,7 @@ class EngineLoop:
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self.listener)
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the thread
                 logger.exception("engine step failed")
                 self._fail_all(EngineFailed(f"engine step failed: {e!r}"))
@@ -143,12 +184,45 @@ class EngineLoop:
                 if out is not None:
                     self._deliver(command.request_id, out)
                 continue
+            if isinstance(command, _Call):
+                self._run_call(command)
+                continue
+            if isinstance(command, _Resume):
+                self._resume(command)
+                continue
             if command.request_id not in self._sinks:
                 continue          # its consumer left before the engine saw it
             try:
-                self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+                self.engine.add_request(command.prompt_ids, command.params, command.request_id,
+                                        hold_kv=command.hold_kv)
             except ValueError as e:
                 self._deliver(command.request_id, RequestRejected(str(e)))
+
+    def _resume(self, command: _Resume) -> None:
+        if command.request_id not in self.engine.scheduler.parked:
+            self._deliver(command.request_id, RequestRejected(
+                f"request {command.request_id!r} holds no KV reservation here (expired?)"))
+            return
+        out = self.engine.resume(command.request_id, command.token, command.logprobs)
+        self._deliver(command.request_id, out)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result, error = command.fn(self.engine), None
+        except Exception as e:  # noqa: BLE001 - the caller gets the error
+            result, error = None, e
+
+        def settle() -> None:
+            if command.future.done():  # the caller timed out meanwhile
+                return
+            if error is None:
+                command.future.set_result(result)
+            else:
+                command.future.set_exception(error)
+        try:
+            command.loop.call_soon_threadsafe(settle)
+        except RuntimeError:      # the caller's event loop is closed
+            pass
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):

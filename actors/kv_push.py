@@ -11,6 +11,7 @@ ahead of the host.
 """
 from __future__ import annotations
 
+import collections
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class KVPusher:
         self._step_copies: list[tuple[str, list[int], list[int]]] = []
         self._step = 0
         # (what, layer, monotonic time): "computed" after a layer, "posted" when its write starts
-        self.timeline: list[tuple[str, int, float]] = []
+        self.timeline: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=4096)
 
     def add(self, request_id: str, peer: str, remote_blocks: list[int], cached_tokens: int):
         self.dests[request_id] = Destination(peer, remote_blocks, cached_tokens, cached_tokens)
@@ -98,6 +99,13 @@ class KVPusher:
                                    else out.set_result(d.transfer_ids))
             return out
         return _chain(self.pump.call(settle))
+
+    def fail(self, request_id: str, reason: str) -> None:
+        """Abort the request's writes but keep it, so `finish` reports the failure."""
+        def abort_all(tr: KVTransport) -> None:
+            for t in self.dests[request_id].transfers:
+                tr.abort(t, reason)
+        self.pump.call(abort_all)
 
     def abort(self, request_id: str) -> None:
         """Stop pushing a request; its in-flight writes are aborted (the peer is told)."""

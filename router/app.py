@@ -72,7 +72,7 @@ def start_client(config: AppConfig, engine: EngineConfig,
     if config.mode == "colocated":
         from router.colocated_client import ColocatedClient
         return ColocatedClient.start(config, engine, actor_options)
-    from actors.disagg_client import DisaggregatedClient
+    from router.disagg_client import DisaggregatedClient
     return DisaggregatedClient.start(config, engine, actor_options)
 
 

@@ -1,7 +1,7 @@
 """The router's one dependency on the engines: EngineClient, one per application.
 
 Implementations: `router.colocated_client.ColocatedClient` (N colocated engines) and
-`actors.disagg_client.DisaggregatedClient` (P and D replicas, KV pushed between them).
+`router.disagg_client.DisaggregatedClient` (P and D replicas, KV pushed between them).
 `router.app` calls `start`, then `wait_ready`; the router then calls `generate` for every
 engine request it makes (n > 1 makes n of them), `abort` when the client goes away, and
 `loads` to route and to export per-replica metrics.

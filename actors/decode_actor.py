@@ -1,0 +1,124 @@
+"""DecodingActor: takes requests whose prompt KV another engine computes, and decodes them.
+
+Lifecycle of a request:
+    reserve(id, ids, params)   → prealloc: blocks for the whole prompt (prefix-cache hits kept),
+                                 parked as WAITING_FOR_KV under a lease (renewed by the router
+                                 while the prefill runs); returns a KVDestination
+    (a PrefillActor writes the KV into those blocks)
+    decode(id, prefill result) → transfer: wait, off the engine thread, until every write the
+                                 prefill side made has landed (a failed or expired transfer
+                                 frees the blocks and raises)
+    waiting → running          → the request joins the continuous batch with its first token;
+                                 a Ray streaming generator yields each output
+    abort / lease expiry       → blocks freed; a stream ends with finish_reason "abort"
+It also prefills short prompts itself (`generate`, conditional disaggregation and fallback).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from actors.engine_loop import EngineLoop
+from actors.kv_push import expect_transfers
+from actors.messages import KVDestination, PrefillResult
+from actors.transport_pump import TransportPump
+from pd_cluster.config import EngineConfig
+from pd_cluster.outputs import RequestOutput
+from pd_cluster.sampling_params import SamplingParams
+from transfer.messages import PoolDescriptor
+from transfer.registry import make_transport
+
+
+@ray.remote
+class DecodingActor:
+    def __init__(self, config: EngineConfig, replica_id: int, transport: str,
+                 timeout_s: float = 120.0, lease_s: float = 60.0) -> None:
+        self.replica_id, self.timeout_s, self.lease_s = replica_id, timeout_s, lease_s
+        self.loop = EngineLoop(config, timeout_s)
+        engine = self.loop.engine
+        tr = make_transport(transport, timeout_s=timeout_s)
+        tr.register(engine.kv_cache, engine.kv_layout)
+        self.descriptor = tr.descriptor()
+        self.pump = TransportPump(tr, name=f"decode-{replica_id}-kv")
+        self._peers: set[str] = set()
+        self._leases: dict[str, asyncio.TimerHandle] = {}
+        self.kv_bytes, self.transfer_s = 0, 0.0
+
+    async def reserve(self, request_id: str, prompt_ids: list[int],
+                      params: SamplingParams) -> KVDestination | None:
+        """Preallocate the prompt's blocks; None when the KV pool has no room now."""
+        got = await self.loop.call(lambda e: e.reserve(prompt_ids, params, request_id))
+        if got is None:
+            return None
+        _, block_ids, cached = got
+        self._leases[request_id] = asyncio.get_running_loop().call_later(
+            self.lease_s, self._expire, request_id)
+        return KVDestination(self.descriptor.encode(), self.descriptor.agent, block_ids, cached)
+
+    async def renew(self, request_id: str) -> bool:
+        """Extend a reservation's lease (its prefill is still running); False if it is gone."""
+        lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return False
+        lease.cancel()
+        self._leases[request_id] = asyncio.get_running_loop().call_later(
+            self.lease_s, self._expire, request_id)
+        return True
+
+    def _expire(self, request_id: str) -> None:
+        # Nobody came to decode it (the router or the prefill side died): free its blocks.
+        self._leases.pop(request_id, None)
+        self.loop.abort(request_id)
+
+    async def decode(self, request_id: str, result: PrefillResult) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs once the prompt KV from `result` has landed."""
+        lease = self._leases.pop(request_id, None)
+        if lease is None:
+            raise RuntimeError(f"request {request_id!r} holds no KV reservation here (expired?)")
+        lease.cancel()
+        try:
+            await self._connect(result)
+            await asyncio.wait_for(asyncio.wrap_future(
+                expect_transfers(self.pump, result.agent, result.transfer_ids)), self.timeout_s)
+        except BaseException:
+            self.loop.abort(request_id)
+            raise
+        self.kv_bytes += result.kv_bytes
+        self.transfer_s += result.transfer_s
+        async for out in self.loop.resume(request_id, result.token, result.logprobs):
+            yield out
+
+    async def _connect(self, result: PrefillResult) -> None:
+        if result.agent not in self._peers:
+            await self.connect([result.pool])
+
+    async def connect(self, pools: list[bytes]) -> None:
+        """Open channels to prefill pools up front: two-sided transports (ucx, ray) acknowledge
+        each write, and control messages (leases, aborts) flow this way too."""
+        for pool in pools:
+            peer = PoolDescriptor.decode(pool)
+            await asyncio.wrap_future(self.pump.call(lambda tr: tr.connect(peer)))
+            self._peers.add(peer.agent)
+
+    async def pool(self) -> bytes:
+        return self.descriptor.encode()
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Prefill here and decode (conditional disaggregation, or recompute after a failure)."""
+        async for out in self.loop.stream(request_id, prompt_ids, params):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            lease.cancel()
+        self.loop.abort(request_id)
+
+    async def load(self) -> dict[str, Any]:
+        return {**self.loop.load(), "replica_id": self.replica_id,
+                "kv_bytes_transferred": self.kv_bytes, "kv_transfer_seconds": self.transfer_s,
+                "transport": self.descriptor.backend}

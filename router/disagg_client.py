@@ -1,0 +1,232 @@
+"""DisaggregatedClient: the router's EngineClient over prefill and decode actors.
+
+One request, push mode (DESIGN.md):
+    1. D.reserve      blocks for the prompt on the decode replica the route names
+    2. P.prefill      the prefill replica computes the prompt and pushes its KV layer by layer
+    3. D.decode       D waits for the writes to land, then streams tokens
+Failures, by where they happen:
+    - no room on D at reserve        → D prefills it itself (it queues there)
+    - P died, or its transfer failed → `prefill_failure_policy`: recompute (another live P,
+                                       else D itself) or fail
+    - D died mid-stream              → re-run on another live D from prompt + tokens already
+                                       streamed; the caller sees one continuous stream
+    - no live D left                 → EngineUnavailable
+Closing the stream early aborts the request on P and D.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.decode_actor import DecodingActor
+from actors.prefill_actor import PrefillActor
+from pd_cluster.config import EngineConfig
+from pd_cluster.outputs import CompletionOutput, RequestOutput
+from pd_cluster.sampling_params import SamplingParams
+from router.app_config import AppConfig
+from router.routing import DECODE, PREFILL, ReplicaLoad, Route
+
+log = logging.getLogger(__name__)
+LOAD_TIMEOUT_S = 5.0
+# D's reservations last lease_s (60 s by default); renew them well within that.
+RENEW_EVERY_S = 5.0
+
+
+class EngineUnavailable(RuntimeError):
+    """No live replica can take the request."""
+
+
+class DisaggregatedClient:
+    def __init__(self, prefill: Sequence[Any], decode: Sequence[Any], recompute: bool = True):
+        self.prefill, self.decode = list(prefill), list(decode)
+        self.recompute = recompute
+        self.dead: set[tuple[str, int]] = set()
+        self._where: dict[str, tuple[str, Any, Any]] = {}  # id → (attempt id, P or None, D)
+
+    @classmethod
+    def start(cls, config: AppConfig, engine: EngineConfig,
+              actor_options: Mapping[str, dict[str, Any]]) -> "DisaggregatedClient":
+        timeout = float(config.limits.request_timeout_s)
+        p = [PrefillActor.options(**actor_options[PREFILL]).remote(
+            engine, i, config.transport, timeout) for i in range(config.num_prefill)]
+        d = [DecodingActor.options(**actor_options[DECODE]).remote(
+            engine, i, config.transport, timeout) for i in range(config.num_decode)]
+        return cls(p, d, config.prefill_failure_policy == "recompute")
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Every replica has loaded its model, and every P–D pair is connected both ways."""
+        async def ready() -> None:
+            await asyncio.gather(*[a.load.remote() for a in self.prefill + self.decode])
+            p_pools = await asyncio.gather(*[p.pool.remote() for p in self.prefill])
+            d_pools = await asyncio.gather(*[d.pool.remote() for d in self.decode])
+            await asyncio.gather(*[d.connect.remote(p_pools) for d in self.decode],
+                                 *[p.connect.remote(d_pools) for p in self.prefill])
+        await asyncio.wait_for(ready(), timeout_s)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
+        streamed = _Streamed(prompt_token_ids)
+        attempt, d_id = 0, route.decode_id
+        try:
+            while True:
+                attempt_id = request_id if attempt == 0 else f"{request_id}#{attempt}"
+                left = dataclasses.replace(
+                    params, max_tokens=params.max_tokens - len(streamed.tokens),
+                    min_tokens=max(0, params.min_tokens - len(streamed.tokens)))
+                try:
+                    stream = await self._start(request_id, attempt_id, streamed.prompt(), left,
+                                               Route(d_id, route.prefill_id))
+                    async for ref in stream:
+                        yield streamed.add(request_id, await ref)
+                    return
+                except RayActorError as e:
+                    self.dead.add((DECODE, d_id))
+                    streamed.commit()
+                    d_id = self._live(DECODE, exclude=d_id, cause=e)
+                    attempt += 1
+                    log.warning("decode replica died; re-running %s on decode %d from %d "
+                                "streamed tokens", request_id, d_id, len(streamed.tokens))
+        finally:
+            where = self._where.pop(request_id, None)
+            if where is not None:
+                self._abort_quietly(*where)
+
+    async def _start(self, request_id: str, attempt_id: str, prompt: list[int],
+                     params: SamplingParams, route: Route) -> Any:
+        """Start one try on one decode replica: its Ray stream of outputs. Raises
+        RayActorError if that replica dies."""
+        d = self.decode[route.decode_id]
+        self._where[request_id] = (attempt_id, None, d)
+        if route.prefill_id is not None:
+            dest = await d.reserve.remote(attempt_id, prompt, params)
+            if dest is not None:
+                result = await self._prefill(request_id, attempt_id, prompt, params, dest,
+                                             route.prefill_id, d)
+                self._where[request_id] = (attempt_id, None, d)
+                if result is not None:
+                    return d.decode.options(num_returns="streaming").remote(attempt_id, result)
+        # D prefills it itself: by the route, for lack of room, or as the fallback.
+        return d.generate.options(num_returns="streaming").remote(attempt_id, prompt, params)
+
+    async def _prefill(self, request_id: str, attempt_id: str, prompt: list[int],
+                       params: SamplingParams, dest: Any, p_id: int, d: Any):
+        """The PrefillResult, or None when D should prefill itself (recompute policy)."""
+        tried: set[int] = set()
+        while True:
+            p = self.prefill[p_id]
+            self._where[request_id] = (attempt_id, p, d)
+            try:
+                return await _renewing(d, attempt_id, p.prefill.remote(attempt_id, prompt,
+                                                                        params, dest))
+            except (RayActorError, RayTaskError) as e:
+                if isinstance(e, RayActorError):
+                    self.dead.add((PREFILL, p_id))
+                if not self.recompute:
+                    await d.abort.remote(attempt_id)
+                    raise EngineUnavailable(f"prefill failed and prefill_failure_policy is "
+                                            f"'fail': {_reason(e)}") from e
+                tried.add(p_id)
+                log.warning("prefill of %s failed on prefill %d (%s)", request_id, p_id,
+                            _reason(e))
+                if isinstance(e, RayTaskError):
+                    # The transfer failed but P lives: D's reserved blocks may be half
+                    # written, so D recomputes the prompt itself.
+                    await d.abort.remote(attempt_id)
+                    return None
+                alive = [i for i in range(len(self.prefill))
+                         if (PREFILL, i) not in self.dead and i not in tried]
+                if not alive:
+                    await d.abort.remote(attempt_id)
+                    return None
+                p_id = alive[0]
+
+    def _live(self, role: str, exclude: int, cause: Exception) -> int:
+        replicas = self.decode if role == DECODE else self.prefill
+        alive = [i for i in range(len(replicas)) if (role, i) not in self.dead and i != exclude]
+        if not alive:
+            raise EngineUnavailable(f"no live {role} replica left to continue the request "
+                                    f"({_reason(cause)})") from cause
+        return alive[0]
+
+    @staticmethod
+    def _abort_quietly(attempt_id: str, p: Any, d: Any) -> None:
+        # Fire and forget: this may run while the caller is being cancelled.
+        for actor in (p, d):
+            if actor is not None:
+                actor.abort.remote(attempt_id)
+
+    async def abort(self, request_id: str) -> None:
+        where = self._where.get(request_id)
+        if where is not None:
+            self._abort_quietly(*where)
+
+    async def loads(self) -> list[ReplicaLoad]:
+        actors = [(PREFILL, i, a) for i, a in enumerate(self.prefill)] + \
+                 [(DECODE, i, a) for i, a in enumerate(self.decode)]
+        live = [(role, i, a) for role, i, a in actors if (role, i) not in self.dead]
+        done = await asyncio.wait_for(asyncio.gather(
+            *[a.load.remote() for _, _, a in live], return_exceptions=True), LOAD_TIMEOUT_S)
+        loads = []
+        for (role, i, _), d in zip(live, done):
+            if isinstance(d, BaseException):
+                if isinstance(d, RayActorError):
+                    self.dead.add((role, i))
+                continue
+            loads.append(ReplicaLoad(
+                role=role, replica_id=i, num_running=d["num_running"],
+                num_waiting=d["num_waiting"], kv_blocks_used=d["kv_blocks_used"],
+                kv_blocks_total=d["kv_blocks_total"], prefix_queries=d["prefix_queries"],
+                prefix_hits=d["prefix_hits"], kv_bytes_transferred=d["kv_bytes_transferred"],
+                kv_transfer_seconds=d["kv_transfer_seconds"], transport=d["transport"]))
+        return loads
+
+
+class _Streamed:
+    """What the caller has seen of one request, so a re-run continues the same stream."""
+
+    def __init__(self, prompt: list[int]):
+        self._prompt = prompt
+        self.tokens: list[int] = []      # committed by earlier attempts
+        self.text = ""
+        self._attempt_tokens: list[int] = []
+        self._attempt_text = ""
+
+    def prompt(self) -> list[int]:
+        return self._prompt + self.tokens
+
+    def commit(self) -> None:
+        """The current attempt died: what it streamed becomes part of the prompt."""
+        self.tokens, self.text = self.tokens + self._attempt_tokens, self.text + self._attempt_text
+        self._attempt_tokens, self._attempt_text = [], ""
+
+    def add(self, request_id: str, out: RequestOutput) -> RequestOutput:
+        o = out.outputs[0]
+        self._attempt_tokens, self._attempt_text = list(o.token_ids), o.text
+        return RequestOutput(
+            request_id, self._prompt,
+            [CompletionOutput(0, self.text + o.text, self.tokens + list(o.token_ids), o.logprobs,
+                              o.finish_reason, o.stop_reason)],
+            out.finished, out.num_cached_tokens, out.delta_text, out.delta_token_ids, out.error)
+
+
+async def _renewing(d: Any, request_id: str, prefill: Any) -> Any:
+    """Await the prefill while renewing D's lease on the reserved blocks."""
+    task = asyncio.ensure_future(prefill)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=RENEW_EVERY_S)
+            if done:
+                return task.result()
+            d.renew.remote(request_id)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _reason(e: BaseException) -> str:
+    return str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
