@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pd_cluster.outputs import RequestOutput
+
 
 @dataclass(frozen=True, slots=True)
 class KVDestination:
@@ -26,3 +28,4 @@ class PrefillResult:
     num_cached_tokens: int                # prompt tokens the prefill engine found cached
     kv_bytes: int                         # bytes it wrote
     transfer_s: float                     # from its first write to the last completion
+    first_output: RequestOutput           # the prefill engine's output for the first token

@@ -84,7 +84,7 @@ class PrefillActor:
         self.transfer_s += elapsed
         return PrefillResult(o.token_ids[0], o.logprobs[0] if o.logprobs else None,
                              self.descriptor.encode(), self.descriptor.agent, ids,
-                             last.num_cached_tokens, nbytes, elapsed)
+                             last.num_cached_tokens, nbytes, elapsed, last)
 
     async def _connect(self, dest: KVDestination) -> None:
         if dest.agent not in self._peers:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 
 LLAMA_31_8B = {
@@ -16,13 +17,28 @@ LLAMA_31_8B = {
 SHAPES = {"llama-3.1-8b": LLAMA_31_8B}
 
 
-def dummy_model_dir(shape: str = "llama-3.1-8b") -> str:
-    """A directory holding only the config.json of a named shape (weights come from dummy init)."""
+def dummy_model_dir(shape: str = "llama-3.1-8b", tokenizer_from: str | None = None) -> str:
+    """A directory holding the config.json of a named shape (weights come from dummy init),
+    plus the tokenizer files of `tokenizer_from` when given (the HTTP router needs one)."""
     path = os.path.join(tempfile.gettempdir(), f"pd-cluster-dummy-{shape}")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(SHAPES[shape], f)
+    if tokenizer_from:
+        for name in os.listdir(tokenizer_from):
+            if name.startswith("tokenizer") or name == "generation_config.json":
+                shutil.copy(os.path.join(tokenizer_from, name), path)
     return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write a dummy model directory; print its path")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--tokenizer-from", default=None)
+    a = ap.parse_args()
+    print(dummy_model_dir(a.shape, a.tokenizer_from))
 
 
 def params_bytes(cfg: dict, itemsize: int = 2) -> int:

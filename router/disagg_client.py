@@ -79,10 +79,17 @@ class DisaggregatedClient:
                     params, max_tokens=params.max_tokens - len(streamed.tokens),
                     min_tokens=max(0, params.min_tokens - len(streamed.tokens)))
                 try:
-                    stream = await self._start(request_id, attempt_id, streamed.prompt(), left,
-                                               Route(d_id, route.prefill_id))
+                    stream, early = await self._start(request_id, attempt_id, streamed.prompt(),
+                                                      left, Route(d_id, route.prefill_id))
+                    if early is not None:
+                        yield streamed.add(request_id, early)
                     async for ref in stream:
-                        yield streamed.add(request_id, await ref)
+                        out = await ref
+                        if early is not None:   # D's first output repeats the early token
+                            early, out = None, _without_delta(out)
+                            if not out.finished:
+                                continue
+                        yield streamed.add(request_id, out)
                     return
                 except RayActorError as e:
                     self.dead.add((DECODE, d_id))
@@ -97,9 +104,10 @@ class DisaggregatedClient:
                 self._abort_quietly(*where)
 
     async def _start(self, request_id: str, attempt_id: str, prompt: list[int],
-                     params: SamplingParams, route: Route) -> Any:
-        """Start one try on one decode replica: its Ray stream of outputs. Raises
-        RayActorError if that replica dies."""
+                     params: SamplingParams, route: Route) -> tuple[Any, RequestOutput | None]:
+        """Start one try on one decode replica: its Ray stream of outputs, and the first
+        token's output when the prefill side already has it (TTFT does not wait for D).
+        Raises RayActorError if that replica dies."""
         d = self.decode[route.decode_id]
         self._where[request_id] = (attempt_id, None, d)
         if route.prefill_id is not None:
@@ -109,9 +117,13 @@ class DisaggregatedClient:
                                              route.prefill_id, d)
                 self._where[request_id] = (attempt_id, None, d)
                 if result is not None:
-                    return d.decode.options(num_returns="streaming").remote(attempt_id, result)
+                    # With stop strings, D must judge the first token's text with the next.
+                    early = None if params.stop else _unfinished(result.first_output)
+                    return (d.decode.options(num_returns="streaming").remote(attempt_id, result),
+                            early)
         # D prefills it itself: by the route, for lack of room, or as the fallback.
-        return d.generate.options(num_returns="streaming").remote(attempt_id, prompt, params)
+        return (d.generate.options(num_returns="streaming").remote(attempt_id, prompt, params),
+                None)
 
     async def _prefill(self, request_id: str, attempt_id: str, prompt: list[int],
                        params: SamplingParams, dest: Any, p_id: int, d: Any):
@@ -212,6 +224,16 @@ class _Streamed:
             [CompletionOutput(0, self.text + o.text, self.tokens + list(o.token_ids), o.logprobs,
                               o.finish_reason, o.stop_reason)],
             out.finished, out.num_cached_tokens, out.delta_text, out.delta_token_ids, out.error)
+
+
+def _unfinished(out: RequestOutput) -> RequestOutput:
+    """The prefill side's (finished) output of the first token, as the stream's first step."""
+    first = dataclasses.replace(out.outputs[0], finish_reason=None, stop_reason=None)
+    return dataclasses.replace(out, outputs=[first], finished=False)
+
+
+def _without_delta(out: RequestOutput) -> RequestOutput:
+    return dataclasses.replace(out, delta_text="", delta_token_ids=[])
 
 
 async def _renewing(d: Any, request_id: str, prefill: Any) -> Any:
