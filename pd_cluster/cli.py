@@ -1,9 +1,12 @@
-"""The `pd-cluster` command line: `generate` now; `profile`, `tune` and `bench` join it."""
+"""The `pd-cluster` command line: `generate`, `profile`, `tune` and `bench`."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from pd_cluster.benchmark.cli import add_bench
+from pd_cluster.tuning.cli import add_profile, add_tune
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pd-cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    add_profile(sub)
+    add_tune(sub)
+    add_bench(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,1 @@
+"""`pd-cluster bench`: a streaming load generator for any OpenAI-compatible endpoint."""

@@ -1,0 +1,86 @@
+"""`pd-cluster bench`: its arguments, the run, and the report it prints and writes."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from dataclasses import asdict
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (streaming)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server URL, with or without /v1")
+    p.add_argument("--model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key (default: $OPENAI_API_KEY)")
+    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument("--workload", help="lengths file: JSON(L) or CSV with input_len, output_len")
+    p.add_argument("--input-len", help="input length distribution in tokens (default 512), "
+                   "e.g. 32, uniform:100:1024, normal:512:128")
+    p.add_argument("--output-len", help="output length distribution (default 128)")
+    p.add_argument("-n", "--num-requests", type=int, default=100)
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="requests/s (inf: all at once); default 1")
+    load.add_argument("--concurrency", type=int, help="requests in flight, back to back")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of arrival gaps; 1 = Poisson, < 1 burstier")
+    p.add_argument("--ttft-slo", default="1s", help="goodput's TTFT objective, e.g. 500ms")
+    p.add_argument("--tpot-slo", default="100ms", help="goodput's TPOT objective, e.g. 50ms")
+    p.add_argument("--slo-percentile", default="p90", help="reported with the SLOs")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--max-duration", type=float, default=3600.0,
+                   help="seconds after which no new request starts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", help="JSON report with per-request records")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pd_cluster.benchmark.client import Endpoint
+    from pd_cluster.benchmark.loadgen import LoadSettings, check_load, run_load
+    from pd_cluster.benchmark.metrics import format_summary, summarize
+    from pd_cluster.tuning.slo import SLO
+    from pd_cluster.tuning.workload import Workload
+
+    workload = Workload.from_args(args.workload, args.input_len, args.output_len)
+    slo = SLO.parse(args.ttft_slo, args.tpot_slo, args.slo_percentile)
+    rate = 1.0 if args.rate is None and args.concurrency is None else args.rate
+    load = LoadSettings(args.num_requests, rate, args.concurrency, args.burstiness,
+                        args.timeout, args.max_duration, args.seed)
+    check_load(load)
+    base = args.base_url.rstrip("/")
+    base = base if base.endswith("/v1") else f"{base}/v1"
+    model = args.model or asyncio.run(_first_model(base, args.api_key))
+    endpoint = Endpoint(base, model, args.api_key, args.chat)
+    records, duration = asyncio.run(run_load(endpoint, workload, load, not args.quiet))
+    report = summarize(records, duration, slo)
+    report["config"] = {"base_url": base, "model": model, "chat": args.chat,
+                        "workload": workload.source, **asdict(load)}
+    print(format_summary(report))
+    if args.output:
+        report["records"] = [asdict(r) for r in records]
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.output}")
+    return 0 if report["completed"] else 1
+
+
+async def _first_model(base: str, api_key: str | None) -> str:
+    """The first model the server lists; a clear error when it cannot be asked."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.get(f"{base}/models", headers=headers) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"{base}/models answered HTTP {resp.status}; pass --model")
+                data = (await resp.json()).get("data") or []
+    except aiohttp.ClientError as e:
+        raise ValueError(f"cannot reach {base}: {e}") from None
+    if not data:
+        raise ValueError(f"{base}/models lists no model; pass --model")
+    return data[0]["id"]

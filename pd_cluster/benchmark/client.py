@@ -1,0 +1,118 @@
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk.
+
+TTFT is the time to the first chunk that carries text; ITL the gaps between text chunks;
+TPOT (e2e - TTFT) / (output tokens - 1), with output tokens from the usage the server reports
+(`stream_options.include_usage`), else the number of text chunks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request did; times in seconds, `start` from the beginning of the run."""
+
+    index: int
+    input_len: int                      # prompt length asked for (words ≈ tokens)
+    output_len: int                     # max_tokens asked for
+    start: float = 0.0
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int | None = None    # as the server counted them (usage)
+    output_tokens: int = 0
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    met_slo: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where and how to send: base URL (with /v1), model, API key, completions or chat."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    chat: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/chat/completions" if self.chat else f"{self.base_url}/completions"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, prompt: str, max_tokens: int) -> dict:
+        body = {"model": self.model, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0.0,
+                # vLLM's extension, which OpenAI-compatible servers for benchmarks accept:
+                # generate exactly max_tokens, so output lengths follow the workload.
+                "ignore_eos": True}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+
+async def send(session: aiohttp.ClientSession, endpoint: Endpoint, record: RequestRecord,
+               prompt: str, t0: float, timeout: float) -> RequestRecord:
+    """Stream one request and fill `record`; errors and timeouts are recorded, not raised."""
+    record.start = time.perf_counter() - t0
+    try:
+        await asyncio.wait_for(_stream(session, endpoint, record, prompt), timeout)
+        record.ok = record.ttft is not None
+        if not record.ok:
+            record.error = "no text in the response"
+    except asyncio.TimeoutError:
+        record.error = f"timed out after {timeout:g} s"
+    except (aiohttp.ClientError, ValueError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+    return record
+
+
+async def _stream(session: aiohttp.ClientSession, endpoint: Endpoint, record: RequestRecord,
+                  prompt: str) -> None:
+    start = time.perf_counter()
+    last, chunks = None, 0
+    async with session.post(endpoint.url, json=endpoint.body(prompt, record.output_len),
+                            headers=endpoint.headers()) as resp:
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[5:])
+            now = time.perf_counter()
+            if data.get("usage"):
+                record.prompt_tokens = data["usage"].get("prompt_tokens")
+                record.output_tokens = data["usage"].get("completion_tokens") or 0
+            if _text(data, endpoint.chat):
+                chunks += 1
+                if last is None:
+                    record.ttft = now - start
+                else:
+                    record.itl.append(now - last)
+                last = now
+    record.e2e = time.perf_counter() - start
+    record.output_tokens = record.output_tokens or chunks
+    if record.ttft is not None:
+        record.tpot = ((record.e2e - record.ttft) / (record.output_tokens - 1)
+                       if record.output_tokens > 1 else 0.0)
+
+
+def _text(data: dict, chat: bool) -> str:
+    choices = data.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""

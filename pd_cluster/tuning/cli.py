@@ -1,0 +1,160 @@
+"""`pd-cluster profile` and `pd-cluster tune`: their arguments and what they print and write."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from pd_cluster.tuning.profile import Profile
+from pd_cluster.tuning.search import Candidate
+from pd_cluster.tuning.slo import SLO, parse_bandwidth, parse_rate
+from pd_cluster.tuning.workload import Workload
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure prefill/decode step latency and fit models")
+    p.add_argument("--model", default=None, help="model directory (default: bundled SmolLM2)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("-o", "--output", default="pd-profile.json", help="profile file to write")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 on CPU, torch's choice on GPU)")
+    p.add_argument("--prefill-tokens", type=_ints, help="Σ prompt tokens per step, e.g. 16,64,256")
+    p.add_argument("--prefill-splits", type=_ints, help="prompts per step, e.g. 1,2,4")
+    p.add_argument("--decode-batches", type=_ints, help="decode batch sizes, e.g. 1,4,16")
+    p.add_argument("--decode-contexts", type=_ints, help="context lengths, e.g. 64,256,512")
+    p.add_argument("--passes", type=int, help="measurements per point (median taken)")
+    p.add_argument("--decode-steps", type=int, help="timed decode steps per point and pass")
+    p.add_argument("--held-out", type=float, default=0.2, help="share of points kept for checking")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from pd_cluster.config import EngineConfig
+    from pd_cluster.tuning.measure import default_grid, run_profile
+
+    grid = default_grid(EngineConfig(device=args.device).torch_device().type)
+    for name in ("prefill_tokens", "prefill_splits", "decode_batches", "decode_contexts",
+                 "passes", "decode_steps"):
+        if getattr(args, name) is not None:
+            setattr(grid, name, getattr(args, name))
+    if not 0 <= args.held_out < 1:
+        raise ValueError(f"--held-out: expected a share in [0, 1), got {args.held_out}")
+    grid.held_out_fraction = args.held_out
+    profile = run_profile(args.model, args.dtype, args.device, grid, args.threads,
+                          progress=not args.quiet)
+    profile.save(args.output)
+    for name, m in (("prefill", profile.prefill), ("decode", profile.decode)):
+        terms = " + ".join(f"{c:.4g}·{f}" for c, f in zip(m.coef, m.features))
+        err = (f"held-back error mean {m.error.mean_abs_pct:.1f}%, max {m.error.max_abs_pct:.1f}% "
+               f"({m.error.num_held_out} points)" if m.error else "no held-back points")
+        print(f"{name}: seconds = {terms}; {err}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def add_tune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="simulate P:D counts and recommend one for your SLOs")
+    p.add_argument("--profile", required=True, help="file written by `pd-cluster profile`")
+    p.add_argument("--workload", help="lengths file: JSON(L) or CSV with input_len, output_len")
+    p.add_argument("--input-len", help="input length distribution (default 512), e.g. "
+                   "uniform:100:1024, normal:512:128, lognormal:400:0.8, exp:300")
+    p.add_argument("--output-len", help="output length distribution (default 128)")
+    p.add_argument("--rate", default="max", help="requests/s, or max: find each candidate's "
+                   "highest rate that meets the SLOs (default)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of arrival gaps; 1 = Poisson")
+    p.add_argument("--ttft-slo", default="1s", help="time to first token, e.g. 500ms")
+    p.add_argument("--tpot-slo", default="100ms", help="time per output token, e.g. 50ms")
+    p.add_argument("--slo-percentile", default="p90", help="share of requests that must meet both")
+    p.add_argument("--gpus", type=int, default=8, help="GPU budget: P + D (or engines) at most")
+    p.add_argument("--kv-bandwidth", default="25GB/s", help="KV transfer bandwidth into one "
+                   "decode instance, e.g. 50GB/s, 400Gbps")
+    p.add_argument("--kv-capacity-tokens", type=int,
+                   help="KV tokens one instance holds (default: the profile's engine)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=500, help="measured requests per run")
+    p.add_argument("--no-colocated", action="store_true", help="only disaggregated candidates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output-dir", default="pd-tune", help="folder for the table, chart, "
+                   "config snippets and results.json")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_tune)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from pd_cluster.tuning.report import (format_table, helm_values_snippet,
+                                          serve_args_snippet, write_chart)
+    from pd_cluster.tuning.search import SearchSettings, search
+    from pd_cluster.tuning.simulator import EngineLimits
+
+    profile = Profile.load(args.profile)
+    workload = Workload.from_args(args.workload, args.input_len, args.output_len)
+    slo = SLO.parse(args.ttft_slo, args.tpot_slo, args.slo_percentile)
+    for name in ("gpus", "max_num_batched_tokens", "max_num_seqs", "num_requests"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
+    if not args.burstiness > 0:
+        raise ValueError("--burstiness: must be > 0")
+    limits = EngineLimits(args.kv_capacity_tokens or int(profile.engine["kv_capacity_tokens"]),
+                          parse_bandwidth(args.kv_bandwidth), args.max_num_batched_tokens,
+                          args.max_num_seqs)
+    settings = SearchSettings(args.gpus, parse_rate(args.rate), args.num_requests,
+                              args.burstiness, include_colocated=not args.no_colocated,
+                              seed=args.seed)
+    results = search(profile, limits, workload, slo, settings, progress=not args.quiet)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = format_table(results, slo, settings.rate is None)
+    best = results[0]
+    title = f"{profile.model.get('name')} on {_device(profile)}: {workload.source}; {slo}"
+    write_chart(results, out / "goodput_per_gpu.png", title)
+    snippets = {"pd-args.yaml": serve_args_snippet(best, limits),
+                "helm-values.yaml": helm_values_snippet(best, limits)}
+    for name, text in snippets.items():
+        (out / name).write_text(text)
+    (out / "table.txt").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"slo": asdict(slo), "workload": workload.source, "rate": args.rate,
+         "limits": asdict(limits), "profile": str(args.profile),
+         "results": [_row(c) for c in results]}, indent=1) + "\n")
+    print(f"{title}\n\n{table}\n")
+    if best.goodput <= 0:
+        print("no candidate meets the SLOs: loosen them, lower the rate or add GPUs",
+              file=sys.stderr)
+        return 1
+    print(f"recommended: {best.spec} ({best.goodput_per_gpu:.3g} req/s per GPU)\n")
+    print("\n".join(snippets.values()))
+    print(f"wrote {out}/: table.txt, goodput_per_gpu.png, pd-args.yaml, helm-values.yaml, "
+          "results.json")
+    return 0
+
+
+def _device(profile: Profile) -> str:
+    return profile.machine.get("gpu") or profile.machine.get("cpu") or "?"
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None      # JSON has no Infinity
+
+
+def _row(c: Candidate) -> dict:
+    return {"config": str(c.spec), "num_prefill": c.spec.num_prefill,
+            "num_decode": c.spec.num_decode, "gpus": c.spec.num_gpus, "rate": c.rate,
+            "goodput": c.goodput, "goodput_per_gpu": c.goodput_per_gpu,
+            "attainment": c.attainment, "ttft": _finite(c.ttft), "tpot": _finite(c.tpot)}

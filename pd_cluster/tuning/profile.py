@@ -1,0 +1,154 @@
+"""A hardware profile: measured step latencies, their fitted latency models, and the file format.
+
+DistServe's latency models, fitted by least squares on relative error:
+
+    prefill step  = a·Σl + b·Σl² + c          l: the prompt (chunk) lengths in the step
+    decode step   = a·Σctx + b·batch + c       ctx: each running sequence's context length
+
+Σl is the linear layers' work, Σl² the attention's; Σctx is the KV read by decode attention,
+batch the per-sequence work, c the fixed cost of a forward pass (weights read, launches).
+A profile file is JSON: machine, model, dtype, date, engine settings, raw samples (each marked
+fit or held back), fitted coefficients and the fit's error on the held-back samples.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROFILE_VERSION = 1
+PREFILL_FEATURES = ("sum_tokens", "sum_sq_tokens", "const")
+DECODE_FEATURES = ("sum_ctx", "batch", "const")
+
+
+@dataclass(slots=True)
+class Sample:
+    """One measured step: its feature values (in the model's feature order) and median time."""
+
+    features: list[float]
+    seconds: float
+    held_out: bool = False
+    shape: dict[str, Any] = field(default_factory=dict)   # what was run, e.g. prompt lengths
+
+
+@dataclass(slots=True)
+class FitError:
+    """Relative prediction error on the held-back samples."""
+
+    mean_abs_pct: float
+    max_abs_pct: float
+    num_held_out: int
+
+
+@dataclass(slots=True)
+class LatencyModel:
+    """A linear latency model: seconds = coef · features."""
+
+    features: tuple[str, ...]
+    coef: list[float]
+    samples: list[Sample] = field(default_factory=list)
+    error: FitError | None = None
+
+    def predict(self, x: list[float] | tuple[float, ...]) -> float:
+        return float(sum(c * v for c, v in zip(self.coef, x)))
+
+    @classmethod
+    def fit(cls, features: tuple[str, ...], samples: list[Sample]) -> LatencyModel:
+        """Fit on the samples not held out; measure the error on those held out."""
+        train = [s for s in samples if not s.held_out]
+        if len(train) < len(features):
+            raise ValueError(f"need at least {len(features)} fit samples, got {len(train)}")
+        coef = _nonneg_relative_lstsq(np.array([s.features for s in train], dtype=float),
+                                      np.array([s.seconds for s in train], dtype=float))
+        model = cls(features, coef, samples)
+        held = [s for s in samples if s.held_out]
+        if held:
+            errors = [abs(model.predict(s.features) - s.seconds) / s.seconds for s in held]
+            model.error = FitError(100 * float(np.mean(errors)), 100 * max(errors), len(held))
+        return model
+
+
+def _nonneg_relative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares on relative error (rows scaled by 1/y) with every coefficient >= 0.
+
+    Relative, because step times span two orders of magnitude and small steps matter as much
+    as large ones; non-negative, because a negative cost would let the simulator schedule
+    work for free. A coefficient that comes out negative is pinned to zero and the rest refit.
+    """
+    free = list(range(x.shape[1]))
+    scaled = x / y[:, None]
+    coef = np.zeros(x.shape[1])
+    while free:
+        sol, *_ = np.linalg.lstsq(scaled[:, free], np.ones(len(y)), rcond=None)
+        if (sol >= 0).all():
+            coef[free] = sol
+            break
+        free.pop(int(np.argmin(sol)))
+    return [float(c) for c in coef]
+
+
+def prefill_features(lengths: list[int] | tuple[int, ...]) -> list[float]:
+    """Features of a prefill step over prompts (or whole-prompt chunks) of these lengths."""
+    return [float(sum(lengths)), float(sum(n * n for n in lengths)), 1.0]
+
+
+def decode_features(batch: int, sum_ctx: int) -> list[float]:
+    """Features of a decode step of `batch` sequences holding `sum_ctx` context tokens."""
+    return [float(sum_ctx), float(batch), 1.0]
+
+
+@dataclass(slots=True)
+class Profile:
+    """What `pd-cluster profile` measured, and what `pd-cluster tune` simulates with."""
+
+    machine: dict[str, Any]
+    model: dict[str, Any]            # name, layer/head shape, dtype, kv_bytes_per_token
+    date: str
+    engine: dict[str, Any]           # block_size, kv_capacity_tokens, max_num_batched_tokens
+    prefill: LatencyModel
+    decode: LatencyModel
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.model["kv_bytes_per_token"])
+
+    def prefill_time(self, sum_tokens: float, sum_sq_tokens: float) -> float:
+        return self.prefill.predict((sum_tokens, sum_sq_tokens, 1.0))
+
+    def decode_time(self, batch: int, sum_ctx: float) -> float:
+        return self.decode.predict((sum_ctx, batch, 1.0))
+
+    def save(self, path: str | Path) -> None:
+        data = {"version": PROFILE_VERSION, **asdict(self)}
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile file; a missing file or a malformed one raises a clear error."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"profile file not found: {str(path)!r} "
+                                    "(make one with `pd-cluster profile`)")
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") != PROFILE_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+            return cls(data["machine"], data["model"], data["date"], data["engine"],
+                       _model_from_dict(data["prefill"]), _model_from_dict(data["decode"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not a pd-cluster profile ({e})") from e
+
+
+def _model_from_dict(d: dict[str, Any]) -> LatencyModel:
+    error = FitError(**d["error"]) if d.get("error") else None
+    return LatencyModel(tuple(d["features"]), [float(c) for c in d["coef"]],
+                        [Sample(**s) for s in d.get("samples", [])], error)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype_bytes: int) -> int:
+    """KV cache bytes one token occupies: K and V, every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes

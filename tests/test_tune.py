@@ -1,0 +1,106 @@
+"""`pd-cluster tune` on a synthetic H100-like profile (Llama-3.1-8B in bf16 on one H100):
+prompt-heavy work gets more prefill than decode instances, output-heavy work the reverse,
+a trickle of requests one colocated engine; the chart is a PNG that matplotlib reads back.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pd_cluster.cli import main
+from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES, LatencyModel,
+                                       Profile, kv_bytes_per_token)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def h100_profile(tmp_path_factory) -> Path:
+    """Prefill: ~40 µs per token (16 GFLOP/token at ~400 TFLOP/s), 1 ns per token² of
+    attention, 8 ms fixed; decode: 7 ms to read the weights, 50 µs per sequence, 44 ns per
+    context token (131 KB of KV per token at ~3 TB/s)."""
+    path = tmp_path_factory.mktemp("profile") / "h100.json"
+    Profile(machine={"gpu": "NVIDIA H100 80GB HBM3 (synthetic)", "device": "cuda"},
+            model={"name": "Llama-3.1-8B", "dtype": "bfloat16",
+                   "kv_bytes_per_token": kv_bytes_per_token(32, 8, 128, 2)},
+            date="2026-01-01T00:00:00+00:00",
+            engine={"block_size": 16, "kv_capacity_tokens": 400_000},
+            prefill=LatencyModel(PREFILL_FEATURES, [4e-5, 1e-9, 8e-3]),
+            decode=LatencyModel(DECODE_FEATURES, [4.4e-8, 5e-5, 7e-3])).save(path)
+    return path
+
+
+def tune(profile: Path, out: Path, *args: str) -> list[dict]:
+    assert main(["tune", "--profile", str(profile), "-o", str(out), "--quiet",
+                 "--num-requests", "300", *args]) == 0
+    return json.loads((out / "results.json").read_text())["results"]
+
+
+def test_prompt_heavy_with_loose_tpot_gets_more_prefill(h100_profile: Path, tmp_path: Path):
+    # 25 ms TPOT is loose for a decode instance (10 ms steps) but not for a colocated engine,
+    # whose steps with a 2048-token prefill chunk take ~90 ms.
+    best = tune(h100_profile, tmp_path, "--input-len", "2048", "--output-len", "64",
+                "--ttft-slo", "500ms", "--tpot-slo", "25ms", "--gpus", "5")[0]
+    assert best["num_prefill"] > best["num_decode"] >= 1, best
+    args = (tmp_path / "pd-args.yaml").read_text()
+    assert "mode: disaggregated" in args and f"num_prefill: {best['num_prefill']}" in args
+    helm = (tmp_path / "helm-values.yaml").read_text()
+    assert f"prefill:\n  replicas: {best['num_prefill']}" in helm
+
+
+def test_output_heavy_gets_more_decode(h100_profile: Path, tmp_path: Path):
+    # Among disaggregated deployments. With outputs 4x the prompts, colocated engines win
+    # under this profile (prefill is a small share of their steps), so they are left out.
+    results = tune(h100_profile, tmp_path, "--input-len", "uniform:128:384",
+                   "--output-len", "uniform:768:1280", "--ttft-slo", "1s",
+                   "--tpot-slo", "20ms", "--gpus", "4", "--no-colocated")
+    best = results[0]
+    assert best["num_decode"] > best["num_prefill"] >= 1, best
+    assert all(r["num_prefill"] >= 1 for r in results)
+
+
+def test_tiny_load_gets_one_colocated_engine_and_a_png_chart(h100_profile: Path,
+                                                               tmp_path: Path):
+    results = tune(h100_profile, tmp_path, "--rate", "0.2", "--input-len", "512",
+                   "--output-len", "128", "--gpus", "4")
+    assert (results[0]["num_prefill"], results[0]["num_decode"]) == (0, 1), results[0]
+    assert results[0]["attainment"] == 1.0
+    chart = tmp_path / "goodput_per_gpu.png"
+    assert chart.read_bytes()[:8] == PNG_SIGNATURE
+    import matplotlib.image
+    height, width, _ = matplotlib.image.imread(chart).shape
+    assert (width, height) == (800, 450)
+    assert "mode: colocated\nnum_prefill: 0\nnum_decode: 1" in \
+        (tmp_path / "pd-args.yaml").read_text()
+    assert "prefill:" not in (tmp_path / "helm-values.yaml").read_text()
+    assert "colocated x1" in (tmp_path / "table.txt").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ttft-slo", "fast"], "TTFT SLO: cannot read 'fast'"),
+    (["--slo-percentile", "p150"], "percentile"),
+    (["--input-len", "uniform:9"], "input length"),
+    (["--workload", "/nonexistent/lengths.jsonl"], "workload file not found"),
+    (["--kv-bandwidth", "fast"], "KV bandwidth"),
+    (["--rate", "-3"], "rate"),
+])
+def test_bad_inputs_get_clear_errors(h100_profile: Path, tmp_path: Path, capsys, args,
+                                     message):
+    assert main(["tune", "--profile", str(h100_profile), "-o", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_profile_is_a_clear_error(tmp_path: Path, capsys):
+    assert main(["tune", "--profile", str(tmp_path / "none.json")]) == 2
+    assert "profile file not found" in capsys.readouterr().err
+
+
+def test_workload_file_of_lengths(h100_profile: Path, tmp_path: Path):
+    lengths = tmp_path / "lengths.jsonl"
+    lengths.write_text("".join(json.dumps({"input_len": 300 + i, "output_len": 100})
+                               + "\n" for i in range(20)))
+    results = tune(h100_profile, tmp_path / "out", "--workload", str(lengths), "--rate", "2",
+                   "--gpus", "2")
+    assert {r["config"] for r in results} == {"1P1D", "colocated x1", "colocated x2"}
