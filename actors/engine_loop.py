@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -125,13 +126,16 @@ class EngineLoop:
         sink = _Sink(asyncio.get_running_loop())
         self._sinks[request_id] = sink
         self._submit(start)
-        finished = False
+        finished, held = False, None
         try:
             while not finished:
-                item = await asyncio.wait_for(sink.queue.get(), self.stall_timeout_s)
+                item, held = held, None
+                if item is None:
+                    item = await asyncio.wait_for(sink.queue.get(), self.stall_timeout_s)
                 if isinstance(item, Exception):
                     finished = True      # the engine has already dropped the request
                     raise item
+                item, held = _coalesce(item, sink.queue)
                 finished = item.finished
                 yield item
         finally:
@@ -171,8 +175,7 @@ class EngineLoop:
                 logger.exception("engine step failed")
                 self._fail_all(EngineFailed(f"engine step failed: {e!r}"))
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
             self._load = self._snapshot()
         self._fail_all(EngineFailed("engine loop shut down"))
 
@@ -230,6 +233,20 @@ class EngineLoop:
         for request_id in list(self._sinks):
             self._deliver(request_id, error)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per consumer event loop per step, not one per output: at batch 256 the
+        per-call cost of waking the loop would rival the step itself."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumer's event loop is closed: nobody to tell
+                pass
+
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         sink = self._sinks.get(request_id)
         if sink is None:
@@ -247,3 +264,32 @@ class EngineLoop:
                 "prefix_queries": sched.stats.prefix_queries,
                 "prefix_hits": sched.stats.prefix_hits,
                 "num_preemptions": sched.stats.num_preemptions}
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _coalesce(item: RequestOutput, queue: asyncio.Queue
+              ) -> tuple[RequestOutput, Exception | None]:
+    """Fold outputs that queued up behind `item` into one (the consumer fell behind): the
+    latest cumulative state, with the deltas of all of them. Returns it and an error that
+    was queued after them, if any (to raise once they are out)."""
+    delta_text, delta_ids = item.delta_text, list(item.delta_token_ids)
+    folded = item
+    while not folded.finished and not queue.empty():
+        nxt = queue.get_nowait()
+        if isinstance(nxt, Exception):
+            return _with_deltas(folded, item, delta_text, delta_ids), nxt
+        delta_text += nxt.delta_text
+        delta_ids += nxt.delta_token_ids
+        folded = nxt
+    return _with_deltas(folded, item, delta_text, delta_ids), None
+
+
+def _with_deltas(folded: RequestOutput, first: RequestOutput, text: str,
+                 ids: list[int]) -> RequestOutput:
+    if folded is first:
+        return first
+    return dataclasses.replace(folded, delta_text=text, delta_token_ids=ids)

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
     "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -130,3 +130,19 @@ def test_duplicate_request_id_is_refused(loop: EngineLoop):
         await wait_idle(loop)
 
     run(twice())
+
+
+def test_slow_consumer_gets_coalesced_outputs_with_all_deltas(loop: EngineLoop):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def slow():
+        outs = []
+        async for out in loop.stream("slow", PROMPTS[0], params):
+            outs.append(out)
+            await asyncio.sleep(0.05)    # slower than the engine's steps
+        return outs
+    outs = run(slow())
+    final = outs[-1]
+    assert final.finished and len(final.outputs[0].token_ids) == 40
+    assert len(outs) < 40                           # several steps folded into one output
+    assert sum((o.delta_token_ids for o in outs), []) == final.outputs[0].token_ids
