@@ -46,6 +46,7 @@ class PrefillActor:
         self._peers: set[str] = set()
         self.kv_bytes, self.transfer_s = 0, 0.0
         self._fail_next = 0
+        self._releases: set[asyncio.Future] = set()
 
     def pool(self) -> bytes:
         return self.descriptor.encode()
@@ -76,7 +77,10 @@ class PrefillActor:
         finally:
             if not ok:
                 self.pusher.abort(request_id)
-            await self.loop.call(lambda e: e.release(request_id))
+            # Freeing the blocks need not delay the answer (nor TTFT): queue it and go on.
+            self._releases.add(asyncio.ensure_future(
+                self.loop.call(lambda e: e.release(request_id))))
+            self._releases = {t for t in self._releases if not t.done()}
         o = last.outputs[0]
         nbytes = self._bytes_of(dest, len(prompt_ids))
         elapsed = time.monotonic() - start

@@ -60,8 +60,10 @@ class TransportPump:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # While someone waits on a transfer, poll fast: its completion is on a TTFT path.
+            tick = self._tick_s / 5 if self._waits else self._tick_s
             try:
-                fn, fut = self._commands.get(timeout=self._tick_s)
+                fn, fut = self._commands.get(timeout=tick)
                 while True:
                     if fn is not None:
                         self._execute(fn, fut)

@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--decode-prompt-len", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--model", default=None, help="config-only model dir (default: 8B shape)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpus-per-actor", type=float, default=1, help="0 for a CPU smoke run")
