@@ -122,7 +122,7 @@ def _tune(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(results, slo, settings.rate is None)
     best = results[0]
-    title = f"{profile.model.get('name')} on {_device(profile)}: {workload.source}; {slo}"
+    title = f"{profile.model.get('name')} on {_device(profile)}\n{workload.source}; {slo}"
     write_chart(results, out / "goodput_per_gpu.png", title)
     snippets = {"pd-args.yaml": serve_args_snippet(best, limits),
                 "helm-values.yaml": helm_values_snippet(best, limits)}

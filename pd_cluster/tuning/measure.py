@@ -15,6 +15,7 @@ import os
 import platform
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,14 +81,20 @@ def run_profile(model: str | None = None, dtype: str = "auto", device: str = "au
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
+    # On a CPU with one thread the clock is this process's CPU time: on a core of its own
+    # that equals the wall time, and unlike the wall time it leaves out the time other
+    # processes held the core. Otherwise (a GPU, or several threads) it is the wall time.
+    cpu_clock = device_type == "cpu" and torch.get_num_threads() == 1
+    clock = time.process_time if cpu_clock else time.perf_counter
     budget = max(max(map(sum, grid.prefill_points())), max(grid.decode_batches))
     longest = max(max(grid.prefill_tokens), max(grid.decode_contexts)) + grid.decode_steps + 8
     config = EngineConfig(model=model, dtype=dtype, device=device,
                           max_num_batched_tokens=budget, max_num_seqs=max(grid.decode_batches),
                           max_model_len=longest, enable_prefix_caching=False)
     engine = LLMEngine(config)
-    prefill, decode = _measure(engine, grid, progress)
-    return Profile(machine=machine_info(engine), model=model_info(engine),
+    prefill, decode = _measure(engine, grid, clock, progress)
+    machine = {**machine_info(engine), "clock": "process_cpu_time" if cpu_clock else "wall"}
+    return Profile(machine=machine, model=model_info(engine),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    engine={"block_size": config.block_size,
                            "kv_capacity_tokens": engine.kv.num_blocks * config.block_size,
@@ -96,7 +103,7 @@ def run_profile(model: str | None = None, dtype: str = "auto", device: str = "au
                    decode=LatencyModel.fit(DECODE_FEATURES, decode))
 
 
-def _measure(engine: LLMEngine, grid: ProfileGrid,
+def _measure(engine: LLMEngine, grid: ProfileGrid, clock: Callable[[], float],
              progress: bool) -> tuple[list[Sample], list[Sample]]:
     rng = random.Random(grid.seed)
     vocab = engine.model_cfg.vocab_size
@@ -105,8 +112,8 @@ def _measure(engine: LLMEngine, grid: ProfileGrid,
         return [rng.randrange(_FIRST_ID, vocab) for _ in range(n)]
 
     for _ in range(2):      # warm-up: first calls allocate and pick kernels
-        _prefill_step(engine, [prompt(16)] * 2)
-        _decode_steps(engine, [prompt(64)] * 2, 1, rng)
+        _prefill_step(engine, [prompt(16)] * 2, clock)
+        _decode_steps(engine, [prompt(64)] * 2, 1, rng, clock)
     prefill_points = grid.prefill_points()
     # A decode point must fit in the KV pool, with room for the tokens its steps add.
     decode_points = [(b, c) for b, c in grid.decode_points() if b * engine.kv.blocks_needed(
@@ -119,12 +126,12 @@ def _measure(engine: LLMEngine, grid: ProfileGrid,
         rng.shuffle(jobs)
         for kind, i in jobs:
             if kind == "p":
-                prefill_times[i].append(_prefill_step(engine, [prompt(n) for n in
-                                                               prefill_points[i]]))
+                prefill_times[i].append(_prefill_step(
+                    engine, [prompt(n) for n in prefill_points[i]], clock))
             else:
                 batch, ctx = decode_points[i]
                 decode_times[i] += _decode_steps(engine, [prompt(ctx) for _ in range(batch)],
-                                                 grid.decode_steps, rng)
+                                                 grid.decode_steps, rng, clock)
             bar.update(1)
     bar.close()
     prefill = [Sample(prefill_features(p), _median(prefill_times[i]),
@@ -138,21 +145,22 @@ def _measure(engine: LLMEngine, grid: ProfileGrid,
     return prefill, decode
 
 
-def _prefill_step(engine: LLMEngine, prompts: list[list[int]]) -> float:
+def _prefill_step(engine: LLMEngine, prompts: list[list[int]],
+                  clock: Callable[[], float]) -> float:
     """Seconds of one engine step prefilling all `prompts` (each then finishes at once)."""
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=1))
-    start = time.perf_counter()
+    start = clock()
     engine.step()
     _sync(engine)
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     if engine.has_unfinished():
         raise RuntimeError("a prefill point did not fit in one engine step")
     return seconds
 
 
 def _decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int,
-                  rng: random.Random) -> list[float]:
+                  rng: random.Random, clock: Callable[[], float]) -> list[float]:
     """Seconds of `steps` decode steps over a batch whose prompts' KV is taken as written."""
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     ids = []
@@ -164,10 +172,10 @@ def _decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int,
         engine.resume(reserved[0], rng.randrange(_FIRST_ID, engine.model_cfg.vocab_size))
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         engine.step()
         _sync(engine)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     for rid in ids:
         engine.abort(rid)
     return times
