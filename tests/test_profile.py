@@ -24,7 +24,7 @@ def profile_path(tmp_path_factory, default_model_dir: str) -> Path:
     path = tmp_path_factory.mktemp("profile") / "cpu.json"
     assert main(["profile", "--model", default_model_dir, "--device", "cpu", "-o", str(path),
                  "--prefill-tokens", "16,32,64,128,256,384,512", "--prefill-splits", "1,2,4",
-                 "--decode-batches", "1,2,4,8,16", "--decode-contexts", "64,256,512",
+                 "--decode-batches", "1,2,4,8,16", "--decode-contexts", "64,192,320,512",
                  "--passes", "3", "--decode-steps", "2", "--quiet"]) == 0
     return path
 
@@ -52,7 +52,7 @@ def test_profile_file_records_machine_model_and_date(profile_path: Path, default
     assert data["date"][:2] == "20" and data["engine"]["kv_capacity_tokens"] > 0
     assert data["prefill"]["features"] == ["sum_tokens", "sum_sq_tokens", "const"]
     assert data["decode"]["features"] == ["sum_ctx", "batch", "const"]
-    assert len(data["prefill"]["samples"]) == 20 and len(data["decode"]["samples"]) == 15
+    assert len(data["prefill"]["samples"]) == 20 and len(data["decode"]["samples"]) == 20
 
 
 def test_longer_steps_cost_more(profile_path: Path):

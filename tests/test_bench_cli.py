@@ -1,0 +1,134 @@
+"""`pd-cluster bench` against the real `serve run configs/pd.yaml` on the CPU: a dozen
+streamed requests at 4/s; every metric is reported, and the goodput equals the SLO-meeting
+records over the duration, recomputed from the per-request records of the JSON report.
+
+The server runs on a private local Ray (2 CPUs) on a free loopback port, as in
+tests/test_router_serve.py; it takes about a minute to load the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if not (ROOT / "router" / "app.py").exists():
+    pytest.skip("router not built yet", allow_module_level=True)
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402 - after the importorskip
+
+from pd_cluster.cli import main  # noqa: E402
+
+START_TIMEOUT_S = 600
+# Disaggregated once the decode side's Ray client exists; colocated until then.
+ARGS_OVERRIDES = ({} if (ROOT / "actors" / "disagg_client.py").exists()
+                  else {"mode": "colocated", "num_prefill": 0})
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server():
+    """URL of `serve run` (a temp copy of configs/pd.yaml on a free loopback port)."""
+    work = Path(tempfile.mkdtemp(prefix="pdb", dir="/tmp"))     # short: Ray's socket paths
+    port = free_port()
+    config = yaml.safe_load((ROOT / "configs" / "pd.yaml").read_text())
+    config["http_options"].update(host="127.0.0.1", port=port)
+    config["applications"][0]["args"].update(ARGS_OVERRIDES)
+    (work / "pd.yaml").write_text(yaml.safe_dump(config))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="serve",
+                   log_to_driver=False, _temp_dir=str(work / "ray"))
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    log = work / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run",
+                                 "--address", ctx.address_info["gcs_address"],
+                                 str(work / "pd.yaml")], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve run not healthy:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_bench_reports_every_metric_and_goodput_matches_its_records(server: str,
+                                                                     tmp_path: Path):
+    report_path = tmp_path / "bench.json"
+    assert main(["bench", "--base-url", server, "-n", "12", "--rate", "4",
+                 "--input-len", "32", "--output-len", "16", "--ttft-slo", "5s",
+                 "--tpot-slo", "500ms", "--timeout", "120", "--quiet",
+                 "-o", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["requests"] == report["completed"] == 12 and report["failed"] == 0
+    for name in LATENCIES:
+        assert set(report[name]) == {"mean", "p50", "p90", "p99"}
+        assert all(v is not None and v >= 0 for v in report[name].values()), name
+        assert report[name]["p50"] <= report[name]["p90"] <= report[name]["p99"]
+    for name in ("request_throughput", "input_token_throughput", "output_token_throughput",
+                 "goodput", "duration_s"):
+        assert report[name] > 0, name
+    records = report["records"]
+    assert len(records) == 12
+    assert all(r["output_tokens"] == 16 for r in records)      # ignore_eos honoured
+    assert all(20 <= r["prompt_tokens"] <= 48 for r in records)
+    slo = report["slo"]
+    met = [r for r in records if r["ok"] and r["ttft"] <= slo["ttft"] and r["tpot"] <= slo["tpot"]]
+    assert [r["met_slo"] for r in records] == [r in met for r in records]
+    assert report["goodput"] == pytest.approx(len(met) / report["duration_s"])
+    assert report["output_token_throughput"] == pytest.approx(
+        sum(r["output_tokens"] for r in records) / report["duration_s"])
+    first = min(r["start"] for r in records)
+    last = max(r["start"] + r["e2e"] for r in records)
+    assert report["duration_s"] == pytest.approx(last - first)
+    for r in records:
+        assert r["ttft"] <= r["e2e"] and len(r["itl"]) >= 1
+        assert r["tpot"] == pytest.approx((r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1))
+
+
+def test_concurrency_mode_and_a_tight_slo_lower_goodput(server: str, tmp_path: Path):
+    report_path = tmp_path / "bench.json"
+    assert main(["bench", "--base-url", server, "-n", "6", "--concurrency", "3",
+                 "--input-len", "uniform:16:48", "--output-len", "8", "--ttft-slo", "1us",
+                 "--quiet", "-o", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["completed"] == 6
+    assert report["slo_attainment"] == 0 and report["goodput"] == 0
