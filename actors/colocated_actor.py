@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from actors.engine_loop import EngineLoop
+from actors.messages import STREAM_BACKPRESSURE, StreamDelta
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
@@ -31,11 +32,12 @@ class ColocatedActor:
         self.replica_id = replica_id
         self.loop = EngineLoop(config, stall_timeout_s)
 
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncIterator[StreamDelta]:
         """Stream the request's outputs (Ray streaming generator)."""
         async for out in self.loop.stream(request_id, prompt_ids, params):
-            yield out
+            yield StreamDelta.of(out)
 
     async def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)

@@ -23,7 +23,7 @@ import ray
 
 from actors.engine_loop import EngineLoop
 from actors.kv_push import expect_transfers
-from actors.messages import KVDestination, PrefillResult
+from actors.messages import STREAM_BACKPRESSURE, KVDestination, PrefillResult, StreamDelta
 from actors.transport_pump import TransportPump
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
@@ -73,7 +73,8 @@ class DecodingActor:
         self._leases.pop(request_id, None)
         self.loop.abort(request_id)
 
-    async def decode(self, request_id: str, result: PrefillResult) -> AsyncIterator[RequestOutput]:
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
+    async def decode(self, request_id: str, result: PrefillResult) -> AsyncIterator[StreamDelta]:
         """Stream the request's outputs once the prompt KV from `result` has landed."""
         lease = self._leases.pop(request_id, None)
         if lease is None:
@@ -89,7 +90,7 @@ class DecodingActor:
         self.kv_bytes += result.kv_bytes
         self.transfer_s += result.transfer_s
         async for out in self.loop.resume(request_id, result.token, result.logprobs):
-            yield out
+            yield StreamDelta.of(out)
 
     async def _connect(self, result: PrefillResult) -> None:
         if result.agent not in self._peers:
@@ -106,11 +107,12 @@ class DecodingActor:
     async def pool(self) -> bytes:
         return self.descriptor.encode()
 
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncIterator[StreamDelta]:
         """Prefill here and decode (conditional disaggregation, or recompute after a failure)."""
         async for out in self.loop.stream(request_id, prompt_ids, params):
-            yield out
+            yield StreamDelta.of(out)
 
     async def abort(self, request_id: str) -> None:
         lease = self._leases.pop(request_id, None)

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd_cluster.outputs import RequestOutput
+from pd_cluster.outputs import CompletionOutput, RequestOutput
+
+
+# Outputs a request's stream may run ahead of its consumer; beyond that the actor waits and
+# the engine loop folds the steps that pile up into one output (fewer, larger messages).
+STREAM_BACKPRESSURE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,3 +34,50 @@ class PrefillResult:
     kv_bytes: int                         # bytes it wrote
     transfer_s: float                     # from its first write to the last completion
     first_output: RequestOutput           # the prefill engine's output for the first token
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """What an engine actor streams for one request: only what is new since the last one.
+
+    Cumulative outputs would re-send the prompt and every token so far on each step, which at
+    hundreds of running requests costs more than the step; `StreamAccumulator` rebuilds them
+    on the receiving side.
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    error: str | None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> "StreamDelta":
+        o, n = out.outputs[0], len(out.delta_token_ids)
+        lps = None if o.logprobs is None else (o.logprobs[-n:] if n else [])
+        return cls(list(out.delta_token_ids), out.delta_text, lps, out.finished,
+                   o.finish_reason, o.stop_reason, out.num_cached_tokens, out.error)
+
+
+class StreamAccumulator:
+    """Rebuilds a request's cumulative RequestOutputs from its StreamDeltas (across re-runs
+    on other replicas too: a re-run's deltas continue the same stream)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]):
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, float]] | None = None
+
+    def add(self, d: StreamDelta) -> RequestOutput:
+        self.token_ids += d.token_ids
+        self.text += d.text
+        if d.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + d.logprobs
+        choice = CompletionOutput(0, self.text, list(self.token_ids), self.logprobs,
+                                  d.finish_reason, d.stop_reason)
+        return RequestOutput(self.request_id, self.prompt_token_ids, [choice], d.finished,
+                             d.num_cached_tokens, d.text, list(d.token_ids), d.error)

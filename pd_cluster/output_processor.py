@@ -14,7 +14,8 @@ from pd_cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 class _Stream:
     detok: IncrementalDetokenizer | None
     stops: StopChecker
-    num_sent_tokens: int = 0
+    num_sent_tokens: int = 0      # tokens fed to the detokenizer
+    num_reported_tokens: int = 0  # tokens already in an output's delta
     text: str = ""
     pending: list[str] = field(default_factory=list)
 
@@ -69,12 +70,13 @@ class OutputProcessor:
         stream.pending.clear()
         stream.text += delta
         tokens = req.output_token_ids
+        delta_ids = tokens[stream.num_reported_tokens:]
+        stream.num_reported_tokens = len(tokens)
         done = CompletionOutput(0, stream.text, tokens,
                                 req.output_logprobs if req.params.logprobs is not None
                                 else None, req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt_token_ids, [done], finished,
-                             max(req.num_cached_tokens, 0), delta, tokens[-1:] if tokens else [],
-                             req.error)
+                             max(req.num_cached_tokens, 0), delta, delta_ids, req.error)
 
     def finalize(self, req: Request) -> RequestOutput:
         """The last output of a finished request; forgets its streaming state."""

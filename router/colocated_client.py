@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from actors.colocated_actor import ColocatedActor
+from actors.messages import StreamAccumulator
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
@@ -43,8 +44,9 @@ class ColocatedClient:
         try:
             gen = actor.generate.options(num_returns="streaming").remote(
                 request_id, prompt_token_ids, params)
+            acc = StreamAccumulator(request_id, prompt_token_ids)
             async for ref in gen:
-                out: RequestOutput = await ref
+                out = acc.add(await ref)
                 finished = out.finished
                 yield out
         finally:

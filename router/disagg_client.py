@@ -24,9 +24,10 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.decode_actor import DecodingActor
+from actors.messages import StreamAccumulator, StreamDelta
 from actors.prefill_actor import PrefillActor
 from pd_cluster.config import EngineConfig
-from pd_cluster.outputs import CompletionOutput, RequestOutput
+from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
 from router.routing import DECODE, PREFILL, ReplicaLoad, Route
@@ -70,34 +71,38 @@ class DisaggregatedClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
-        streamed = _Streamed(prompt_token_ids)
+        acc = StreamAccumulator(request_id, prompt_token_ids)
         attempt, d_id = 0, route.decode_id
         try:
             while True:
                 attempt_id = request_id if attempt == 0 else f"{request_id}#{attempt}"
-                left = dataclasses.replace(
-                    params, max_tokens=params.max_tokens - len(streamed.tokens),
-                    min_tokens=max(0, params.min_tokens - len(streamed.tokens)))
+                done = len(acc.token_ids)
+                left = dataclasses.replace(params, max_tokens=params.max_tokens - done,
+                                           min_tokens=max(0, params.min_tokens - done))
                 try:
-                    stream, early = await self._start(request_id, attempt_id, streamed.prompt(),
-                                                      left, Route(d_id, route.prefill_id))
+                    stream, early = await self._start(request_id, attempt_id,
+                                                      prompt_token_ids + acc.token_ids, left,
+                                                      Route(d_id, route.prefill_id))
                     if early is not None:
-                        yield streamed.add(request_id, early)
+                        first_text = early.text
+                        yield acc.add(early)
                     async for ref in stream:
-                        out = await ref
+                        delta = await ref
                         if early is not None:   # D's first output repeats the early token
-                            early, out = None, _without_delta(out)
-                            if not out.finished:
+                            early = None
+                            delta = dataclasses.replace(delta, token_ids=delta.token_ids[1:],
+                                                        text=delta.text[len(first_text):],
+                                                        logprobs=_tail(delta.logprobs))
+                            if not (delta.finished or delta.token_ids):
                                 continue
-                        yield streamed.add(request_id, out)
+                        yield acc.add(delta)
                     return
                 except RayActorError as e:
                     self.dead.add((DECODE, d_id))
-                    streamed.commit()
                     d_id = self._live(DECODE, exclude=d_id, cause=e)
                     attempt += 1
                     log.warning("decode replica died; re-running %s on decode %d from %d "
-                                "streamed tokens", request_id, d_id, len(streamed.tokens))
+                                "streamed tokens", request_id, d_id, len(acc.token_ids))
         finally:
             where = self._where.pop(request_id, None)
             if where is not None:
@@ -118,7 +123,8 @@ class DisaggregatedClient:
                 self._where[request_id] = (attempt_id, None, d)
                 if result is not None:
                     # With stop strings, D must judge the first token's text with the next.
-                    early = None if params.stop else _unfinished(result.first_output)
+                    early = None if params.stop else StreamDelta.of(
+                        _unfinished(result.first_output))
                     return (d.decode.options(num_returns="streaming").remote(attempt_id, result),
                             early)
         # D prefills it itself: by the route, for lack of room, or as the fallback.
@@ -198,42 +204,14 @@ class DisaggregatedClient:
         return loads
 
 
-class _Streamed:
-    """What the caller has seen of one request, so a re-run continues the same stream."""
-
-    def __init__(self, prompt: list[int]):
-        self._prompt = prompt
-        self.tokens: list[int] = []      # committed by earlier attempts
-        self.text = ""
-        self._attempt_tokens: list[int] = []
-        self._attempt_text = ""
-
-    def prompt(self) -> list[int]:
-        return self._prompt + self.tokens
-
-    def commit(self) -> None:
-        """The current attempt died: what it streamed becomes part of the prompt."""
-        self.tokens, self.text = self.tokens + self._attempt_tokens, self.text + self._attempt_text
-        self._attempt_tokens, self._attempt_text = [], ""
-
-    def add(self, request_id: str, out: RequestOutput) -> RequestOutput:
-        o = out.outputs[0]
-        self._attempt_tokens, self._attempt_text = list(o.token_ids), o.text
-        return RequestOutput(
-            request_id, self._prompt,
-            [CompletionOutput(0, self.text + o.text, self.tokens + list(o.token_ids), o.logprobs,
-                              o.finish_reason, o.stop_reason)],
-            out.finished, out.num_cached_tokens, out.delta_text, out.delta_token_ids, out.error)
-
-
 def _unfinished(out: RequestOutput) -> RequestOutput:
     """The prefill side's (finished) output of the first token, as the stream's first step."""
     first = dataclasses.replace(out.outputs[0], finish_reason=None, stop_reason=None)
     return dataclasses.replace(out, outputs=[first], finished=False)
 
 
-def _without_delta(out: RequestOutput) -> RequestOutput:
-    return dataclasses.replace(out, delta_text="", delta_token_ids=[])
+def _tail(logprobs: list | None) -> list | None:
+    return None if logprobs is None else logprobs[1:]
 
 
 async def _renewing(d: Any, request_id: str, prefill: Any) -> Any:
