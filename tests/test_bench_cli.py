@@ -31,9 +31,7 @@ from ray import serve  # noqa: E402 - after the importorskip
 from pd_cluster.cli import main  # noqa: E402
 
 START_TIMEOUT_S = 600
-# Disaggregated once the decode side's Ray client exists; colocated until then.
-ARGS_OVERRIDES = ({} if (ROOT / "actors" / "disagg_client.py").exists()
-                  else {"mode": "colocated", "num_prefill": 0})
+ARGS_OVERRIDES: dict = {}  # the real configs/pd.yaml: disaggregated, 1 P + 1 D
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
 
