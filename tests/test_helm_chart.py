@@ -195,17 +195,22 @@ def test_router_service_selects_serving_ray_pods_by_a_named_port(rendered):
     assert service["spec"]["selector"]["ray.io/serve"] == "true"
 
 
-def test_service_monitor_finds_the_metrics_service(rendered):
+def test_service_monitors_find_the_ray_and_router_metrics_services(rendered):
     if "ServiceMonitor" not in rendered:
         pytest.skip("metrics.serviceMonitor disabled in these values")
-    monitor = only(rendered, "ServiceMonitor")
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    matched = [s for s in rendered["Service"]
-               if monitor["spec"]["selector"]["matchLabels"].items()
-               <= s["metadata"]["labels"].items()]
-    (service,) = matched
-    port_names = {p["name"] for p in service["spec"]["ports"]}
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= port_names
+    monitors = rendered["ServiceMonitor"]
+    assert len(monitors) == 2  # Ray's per-pod metrics, and the router's pd_* metrics
+    scraped = set()
+    for monitor in monitors:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        matched = [s for s in rendered["Service"]
+                   if monitor["spec"]["selector"]["matchLabels"].items()
+                   <= s["metadata"]["labels"].items()]
+        (service,) = matched
+        port_names = {p["name"] for p in service["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= port_names
+        scraped.add(service["metadata"]["name"])
+    assert any(name.endswith("-router") for name in scraped)
 
 
 def test_dashboard_config_map_holds_a_grafana_dashboard(rendered):
