@@ -3,6 +3,7 @@ the DistributedKVCache (engine → pinned host pool → engine). Prints one JSON
 
     python3 bench/transfer_bench.py --backend nixl --devices cuda --block-size 16
     python3 bench/transfer_bench.py --backend nixl --devices cpu --tokens 512 --iters 5
+    python3 bench/transfer_bench.py --post-overhead --devices cpu --kv-heads 1 --head-dim 1
 
 Model shape defaults to Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16): a 2048-token
 prompt is 256 MiB of KV. GB/s are 1e9 bytes per second of KV moved, timed on the sender from
@@ -89,10 +90,14 @@ def _tids(prefix: str, rounds: int, per_round: int) -> list[list[str]]:
     return [[f"{prefix}-{r}-{i}" for i in range(per_round)] for r in range(rounds)]
 
 
+def _layout(args: argparse.Namespace) -> KVLayout:
+    return KVLayout("llama-3.1-8b-shape", args.dtype, args.layers,
+                    -(-args.tokens // args.block_size), args.block_size, args.kv_heads,
+                    args.head_dim)
+
+
 def run(args: argparse.Namespace) -> dict:
-    layout = KVLayout("llama-3.1-8b-shape", args.dtype, args.layers,
-                      -(-args.tokens // args.block_size), args.block_size, args.kv_heads,
-                      args.head_dim)
+    layout = _layout(args)
     gpus = 0.9 if args.devices == "cuda" else 0  # 0.9: two engines never share a GPU
     cls = ray.remote(num_cpus=0, num_gpus=gpus)(Side)
     device = "cuda" if args.devices == "cuda" else "cpu"
@@ -129,6 +134,41 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def post_overhead(args: argparse.Namespace, layout: KVLayout) -> dict:
+    """Per-write fixed cost, in one process (no Ray): µs inside write() (the posting) and
+    inside wait() (polling until done), for one whole-prompt write and for 32 one-layer writes
+    posted back to back. Tiny --kv-heads/--head-dim make the bytes negligible on CPU."""
+    device = "cuda" if args.devices == "cuda" else "cpu"
+    a, b = (make_transport(args.backend, timeout_s=120.0) for _ in range(2))
+    a.register(layout.allocate(device), layout)
+    b.register(layout.allocate(device), layout)
+    peer = a.connect(b.descriptor())
+    b.connect(a.descriptor())
+    blocks, out = list(range(layout.num_blocks)), {}
+    for name, ranges in (("whole_prompt", [range(layout.num_layers)]),
+                         ("per_layer", [range(i, i + 1) for i in range(layout.num_layers)])):
+        post, wait = [], []
+        for _ in range(args.warmup + args.iters):
+            ts = []
+            for r in ranges:
+                start = time.perf_counter()
+                ts.append(a.write(peer, blocks, blocks, r))
+                post.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for t in ts:
+                a.wait(t)
+            wait.append((time.perf_counter() - start) / len(ts))
+            for t in ts:
+                a.release(t)
+            b.progress()  # drop the DONE notices
+        skip = args.warmup * len(ranges)
+        out[name] = dict(post_us_median=round(statistics.median(post[skip:]) * 1e6, 1),
+                         wait_us_median=round(statistics.median(wait[args.warmup:]) * 1e6, 1))
+    a.close()
+    b.close()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="nixl", choices=["nixl", "ucx", "ray"])
@@ -142,7 +182,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--skip-pool", action="store_true", help="skip the DistributedKVCache part")
+    p.add_argument("--post-overhead", action="store_true",
+                   help="only the per-write posting/polling cost, in one process")
     args = p.parse_args()
+    if args.post_overhead:
+        print(json.dumps(post_overhead(args, _layout(args)), indent=1))
+        return
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         print(json.dumps(run(args), indent=1))

@@ -12,7 +12,7 @@ from transfer import registry
 from transfer.base import LayoutMismatchError, TransferError, TransferState
 from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
 from transfer.registry import make_transport
-from transfer.runs import block_runs, byte_runs
+from transfer.runs import block_indices, block_runs, byte_runs
 
 BACKENDS = ["local", "nixl", "ucx"]
 
@@ -27,6 +27,27 @@ def test_runs_merge_blocks_contiguous_on_both_sides() -> None:
                       ((3 * 8 + 2) * nb, (3 * 16 + 5) * nb, 2 * nb)]
     with pytest.raises(ValueError, match="out of range"):
         byte_runs(layout, layout, range(2), [8], [0])
+
+
+def test_block_indices_name_the_same_bytes_as_the_runs() -> None:
+    src, dst = tiny_layout(num_blocks=8), tiny_layout(num_blocks=16)
+    s_ids, d_ids = [2, 3, 7, 0], [5, 6, 1, 9]
+    local, remote = block_indices(src, dst, range(0, 2), s_ids, d_ids)
+    nb = src.block_bytes
+    expanded = [(s + i * nb, d + i * nb) for s, d, n in byte_runs(src, dst, range(0, 2), s_ids,
+                                                                  d_ids) for i in range(n // nb)]
+    assert [(int(a) * nb, int(b) * nb) for a, b in zip(local, remote)] == expanded
+    with pytest.raises(ValueError, match="out of range"):
+        block_indices(src, dst, range(1), [-1], [0])
+
+
+def test_an_empty_write_completes_and_tells_the_target(pair) -> None:
+    a, b = pair
+    t = a.write(b.name, [], [], transfer_id="empty")
+    target = b.expect(a.name, "empty")
+    wait_all((a, t), (b, target))
+    a.release(t)
+    b.release(target)
 
 
 def test_messages_round_trip_and_reject_junk() -> None:
