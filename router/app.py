@@ -69,6 +69,10 @@ def engine_config(config: AppConfig, max_model_len: int) -> EngineConfig:
 def start_client(config: AppConfig, engine: EngineConfig,
                  actor_options: Mapping[str, dict[str, Any]]) -> Any:
     """The mode's EngineClient, with its engine replicas started (not yet ready)."""
+    if config.mode == "pooled":
+        # The DistributedKVCache exists (actors/kv_pool.py) but no client routes through it
+        # yet; refuse rather than silently run push mode.
+        raise ValueError("mode: 'pooled' is not served yet; use 'disaggregated' or 'colocated'")
     if config.mode == "colocated":
         from router.colocated_client import ColocatedClient
         return ColocatedClient.start(config, engine, actor_options)
