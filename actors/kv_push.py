@@ -20,15 +20,16 @@ import torch
 
 from actors.transport_pump import TransportPump
 from pd_cluster.scheduler import SchedulerOutput
-from transfer.base import KVTransport, Transfer
+from transfer.base import KVTransport, Transfer, TransferError
 
 
 @dataclass(slots=True)
 class Destination:
-    peer: str                       # the decode engine's transport agent
-    remote_blocks: list[int]        # its blocks for the whole prompt, in order
-    sent_upto: int                  # tokens the decode engine holds already (block aligned)
-    start_tokens: int               # sent_upto at the start, to redo a preempted request
+    peer: str | None = None               # the decode engine's transport agent
+    remote_blocks: list[int] | None = None  # its blocks for the whole prompt (None: not known yet)
+    skip_blocks: int = 0                  # leading blocks it holds already (its prefix hit)
+    sent_upto: int = 0                    # prompt tokens whose writes have been issued
+    pending: list[tuple] = field(default_factory=list)  # writes waiting for the destination
     transfers: list[Transfer] = field(default_factory=list)
     transfer_ids: list[str] = field(default_factory=list)
 
@@ -37,30 +38,49 @@ class KVPusher:
     def __init__(self, pump: TransportPump, block_size: int, device: torch.device):
         self.pump, self.block_size, self.device = pump, block_size, device
         self.dests: dict[str, Destination] = {}
-        self._step_copies: list[tuple[str, list[int], list[int]]] = []
+        self._step_copies: list[tuple[str, int, int, list[int]]] = []
         self._step = 0
         # (what, layer, monotonic time): "computed" after a layer, "posted" when its write starts
         self.timeline: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=4096)
 
-    def add(self, request_id: str, peer: str, remote_blocks: list[int], cached_tokens: int):
-        self.dests[request_id] = Destination(peer, remote_blocks, cached_tokens, cached_tokens)
+    def add(self, request_id: str, peer: str | None = None,
+            remote_blocks: list[int] | None = None, cached_tokens: int = 0) -> None:
+        """Push this request's prompt KV; without a destination yet, writes wait for
+        `set_destination` (the prefill starts while the decode side is still reserving)."""
+        self.dests[request_id] = Destination()
+        if remote_blocks is not None:
+            self._set(self.dests[request_id], peer, remote_blocks, cached_tokens)
+
+    def set_destination(self, request_id: str, peer: str, remote_blocks: list[int],
+                        cached_tokens: int) -> None:
+        """The decode side's blocks: issue the writes that waited for them."""
+        def apply(tr: KVTransport) -> None:
+            d = self.dests.get(request_id)
+            if d is not None:
+                self._set(d, peer, remote_blocks, cached_tokens)
+                for args in d.pending:
+                    self._write(tr, request_id, d, *args)
+                d.pending.clear()
+        self.pump.call(apply)
+
+    def _set(self, d: Destination, peer: str, remote_blocks: list[int], cached: int) -> None:
+        d.peer, d.remote_blocks, d.skip_blocks = peer, remote_blocks, cached // self.block_size
 
     def before_forward(self, plan: SchedulerOutput) -> None:
         self._step += 1
         for req in plan.preempted:  # recomputed from scratch: send everything again
             d = self.dests.get(req.request_id)
             if d is not None:
-                d.sent_upto = d.start_tokens
+                d.sent_upto = 0
         bs, copies = self.block_size, []
         for s in plan.scheduled:
             d = self.dests.get(s.request.request_id)
-            end = min(s.request.num_computed_tokens + s.num_tokens, len(d.remote_blocks) * bs) \
-                if d else 0
+            end = min(s.request.num_computed_tokens + s.num_tokens, s.request.num_prompt_tokens)
             if d is None or end <= d.sent_upto:
                 continue
             first, last = d.sent_upto // bs, -(-end // bs)
-            copies.append((s.request.request_id, s.request.block_ids[first:last],
-                           d.remote_blocks[first:last]))
+            copies.append((s.request.request_id, first, last,
+                           s.request.block_ids[first:last]))
             d.sent_upto = end
         self._step_copies = copies
 
@@ -79,19 +99,34 @@ class KVPusher:
         if event is not None:
             event.synchronize()
         self.timeline.append(("posted", layer, time.monotonic()))
-        for rid, local, remote in copies:
+        for rid, first, last, local in copies:
             d = self.dests.get(rid)
             if d is None:  # aborted meanwhile
                 continue
-            tid = f"{rid}/{step}/{layer}"
-            d.transfers.append(tr.write(d.peer, local, remote, range(layer, layer + 1), tid))
-            d.transfer_ids.append(tid)
+            if d.remote_blocks is None:
+                d.pending.append((layer, step, first, last, local))
+            else:
+                self._write(tr, rid, d, layer, step, first, last, local)
+
+    @staticmethod
+    def _write(tr: KVTransport, rid: str, d: Destination, layer: int, step: int, first: int,
+               last: int, local: list[int]) -> None:
+        # Blocks the decode side already holds (its prefix hit) are neither sent nor touched.
+        skip = max(0, d.skip_blocks - first)
+        if first + skip >= last:
+            return
+        tid = f"{rid}/{step}/{layer}"
+        d.transfers.append(tr.write(d.peer, local[skip:], d.remote_blocks[first + skip:last],
+                                    range(layer, layer + 1), tid))
+        d.transfer_ids.append(tid)
 
     def finish(self, request_id: str) -> Future:
         """After the request's last prefill step: resolves (to the transfer ids) when every
         write landed; fails if one failed. Forgets the request either way."""
         def settle(tr: KVTransport) -> Future:
             d = self.dests.pop(request_id)
+            if d.remote_blocks is None:
+                raise TransferError(f"{request_id}: the decode side never gave a destination")
             done = self.pump.wait_all(d.transfers,
                                       on_end=lambda: [tr.release(t) for t in d.transfers])
             out: Future = Future()

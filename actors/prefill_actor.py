@@ -1,8 +1,9 @@
 """PrefillActor: computes prompts' KV and pushes it, layer by layer, into decode engines.
 
 Lifecycle of a request:
-    prefill(id, ids, params, dest)  → connect to dest's pool (once per peer); the pusher learns
-                                      which remote blocks receive which local ones
+    prefill(id, ids, params, [dest]) → starts at once; when D's reservation (dest) resolves,
+                                      the pusher learns which remote blocks receive which local
+                                      ones and issues the writes that waited for that
     waiting → prefilling            → (chunked) prefill in the engine's continuous batch; after
                                       each layer the pusher queues that layer's writes, so the
                                       transfer overlaps the next layer's compute
@@ -57,14 +58,17 @@ class PrefillActor:
             await self._connect_pool(pool)
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      dest: KVDestination) -> PrefillResult:
-        """Prefill the prompt into `dest`; returns the first token once its KV has landed."""
-        await self._connect(dest)
-        self.pusher.add(request_id, dest.agent, dest.block_ids, dest.num_cached_tokens)
+                      dest: list) -> PrefillResult:
+        """Prefill the prompt into the destination `dest[0]` (an ObjectRef of D's
+        KVDestination, left unresolved in a list so the prefill starts while D reserves);
+        returns the first token once its KV has landed."""
+        self.pusher.add(request_id)
+        destination = asyncio.ensure_future(self._destination(request_id, dest[0]))
         last, ok = None, False
         try:
             async for out in self.loop.stream(request_id, prompt_ids, params, hold_kv=True):
                 last = out
+            dest = await asyncio.wait_for(destination, self.timeout_s)
             if last is None or last.outputs[0].finish_reason == "abort":
                 raise RuntimeError(f"prefill of {request_id} was aborted")
             if self._fail_next:
@@ -76,6 +80,7 @@ class PrefillActor:
             ok = True
         finally:
             if not ok:
+                destination.cancel()
                 self.pusher.abort(request_id)
             # Freeing the blocks need not delay the answer (nor TTFT): queue it and go on.
             self._releases.add(asyncio.ensure_future(
@@ -89,6 +94,15 @@ class PrefillActor:
         return PrefillResult(o.token_ids[0], o.logprobs[0] if o.logprobs else None,
                              self.descriptor.encode(), self.descriptor.agent, ids,
                              last.num_cached_tokens, nbytes, elapsed, last)
+
+    async def _destination(self, request_id: str, ref) -> KVDestination:
+        dest = await ref
+        if dest is None:
+            raise RuntimeError(f"{request_id}: the decode replica had no room to reserve KV")
+        await self._connect(dest)
+        self.pusher.set_destination(request_id, dest.agent, dest.block_ids,
+                                    dest.num_cached_tokens)
+        return dest
 
     async def _connect(self, dest: KVDestination) -> None:
         if dest.agent not in self._peers:

@@ -116,17 +116,17 @@ class DisaggregatedClient:
         d = self.decode[route.decode_id]
         self._where[request_id] = (attempt_id, None, d)
         if route.prefill_id is not None:
-            dest = await d.reserve.remote(attempt_id, prompt, params)
-            if dest is not None:
-                result = await self._prefill(request_id, attempt_id, prompt, params, dest,
-                                             route.prefill_id, d)
-                self._where[request_id] = (attempt_id, None, d)
-                if result is not None:
-                    # With stop strings, D must judge the first token's text with the next.
-                    early = None if params.stop else StreamDelta.of(
-                        _unfinished(result.first_output))
-                    return (d.decode.options(num_returns="streaming").remote(attempt_id, result),
-                            early)
+            # Reserve on D and prefill on P at once: P needs D's blocks only for its first
+            # writes, so the reservation's round trip stays off the TTFT path.
+            dest = d.reserve.remote(attempt_id, prompt, params)
+            result = await self._prefill(request_id, attempt_id, prompt, params, dest,
+                                         route.prefill_id, d)
+            self._where[request_id] = (attempt_id, None, d)
+            if result is not None:
+                # With stop strings, D must judge the first token's text with the next.
+                early = None if params.stop else StreamDelta.of(_unfinished(result.first_output))
+                return (d.decode.options(num_returns="streaming").remote(attempt_id, result),
+                        early)
         # D prefills it itself: by the route, for lack of room, or as the fallback.
         return (d.generate.options(num_returns="streaming").remote(attempt_id, prompt, params),
                 None)
@@ -140,7 +140,7 @@ class DisaggregatedClient:
             self._where[request_id] = (attempt_id, p, d)
             try:
                 return await _renewing(d, attempt_id, p.prefill.remote(attempt_id, prompt,
-                                                                        params, dest))
+                                                                        params, [dest]))
             except (RayActorError, RayTaskError) as e:
                 if isinstance(e, RayActorError):
                     self.dead.add((PREFILL, p_id))
@@ -152,8 +152,8 @@ class DisaggregatedClient:
                 log.warning("prefill of %s failed on prefill %d (%s)", request_id, p_id,
                             _reason(e))
                 if isinstance(e, RayTaskError):
-                    # The transfer failed but P lives: D's reserved blocks may be half
-                    # written, so D recomputes the prompt itself.
+                    # The transfer failed (or D had no room) but P lives: D's reserved blocks
+                    # may be half written, so D recomputes the prompt itself.
                     await d.abort.remote(attempt_id)
                     return None
                 alive = [i for i in range(len(self.prefill))
