@@ -119,7 +119,9 @@ def main() -> None:
     finally:
         ray.shutdown()
     d, h = summary(direct), summary(http)
-    print(json.dumps({"config": opts.config, "args": args, "direct": d, "http": h,
+    config = Path(opts.config).resolve()
+    shown = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
+    print(json.dumps({"config": str(shown), "args": args, "direct": d, "http": h,
                       "overhead_ms": {"mean": h["mean_ms"] - d["mean_ms"],
                                       "p50": h["p50_ms"] - d["p50_ms"]}}, indent=2))
 
