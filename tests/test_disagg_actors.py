@@ -114,8 +114,9 @@ def test_32_concurrent_requests_with_shared_prefixes_complete(tiny):
 
 def test_default_model_disaggregated_equals_colocated_and_overlaps(default_model_dir):
     prompt = list(range(100, 700))
-    params = SamplingParams(temperature=0, max_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     colocated = LLM(default_model_dir).generate([prompt], params)[0].outputs[0].token_ids
+    assert colocated == hf_greedy(default_model_dir, [prompt], 8)[0]
     client = start(default_model_dir, "nixl")
     try:
         assert run_all(client, [prompt], params) == [colocated]
