@@ -21,7 +21,6 @@ import ray
 from actors.engine_loop import EngineLoop
 from actors.messages import STREAM_BACKPRESSURE, StreamDelta
 from pd_cluster.config import EngineConfig
-from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 
 

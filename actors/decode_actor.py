@@ -24,12 +24,10 @@ import ray
 from actors.engine_loop import EngineLoop
 from actors.kv_push import expect_transfers
 from actors.messages import STREAM_BACKPRESSURE, KVDestination, PrefillResult, StreamDelta
-from actors.transport_pump import TransportPump
+from actors.transport_pump import open_pump
 from pd_cluster.config import EngineConfig
-from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from transfer.messages import PoolDescriptor
-from transfer.registry import make_transport
 
 
 @ray.remote
@@ -39,10 +37,8 @@ class DecodingActor:
         self.replica_id, self.timeout_s, self.lease_s = replica_id, timeout_s, lease_s
         self.loop = EngineLoop(config, timeout_s)
         engine = self.loop.engine
-        tr = make_transport(transport, timeout_s=timeout_s)
-        tr.register(engine.kv_cache, engine.kv_layout)
-        self.descriptor = tr.descriptor()
-        self.pump = TransportPump(tr, name=f"decode-{replica_id}-kv")
+        self.descriptor, self.pump = open_pump(engine, transport, timeout_s,
+                                               f"decode-{replica_id}-kv")
         self._peers: set[str] = set()
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self.kv_bytes, self.transfer_s = 0, 0.0

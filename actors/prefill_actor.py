@@ -24,11 +24,10 @@ import ray
 from actors.engine_loop import EngineLoop
 from actors.kv_push import KVPusher
 from actors.messages import KVDestination, PrefillResult
-from actors.transport_pump import TransportPump
+from actors.transport_pump import open_pump
 from pd_cluster.config import EngineConfig
 from pd_cluster.sampling_params import SamplingParams
 from transfer.messages import PoolDescriptor
-from transfer.registry import make_transport
 
 
 @ray.remote
@@ -38,10 +37,8 @@ class PrefillActor:
         self.replica_id, self.timeout_s = replica_id, timeout_s
         self.loop = EngineLoop(config, timeout_s)
         engine = self.loop.engine
-        tr = make_transport(transport, timeout_s=timeout_s)
-        tr.register(engine.kv_cache, engine.kv_layout)
-        self.descriptor = tr.descriptor()
-        self.pump = TransportPump(tr, name=f"prefill-{replica_id}-kv")
+        self.descriptor, self.pump = open_pump(engine, transport, timeout_s,
+                                               f"prefill-{replica_id}-kv")
         self.pusher = KVPusher(self.pump, config.block_size, engine.runner.device)
         self.loop.listener = self.pusher
         self._peers: set[str] = set()

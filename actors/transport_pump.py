@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from transfer.base import KVTransport, Transfer, TransferError, TransferState
+from transfer.messages import PoolDescriptor
+from transfer.registry import make_transport
 
 
 @dataclass(eq=False)
@@ -95,3 +97,11 @@ class TransportPump:
                     f"{failed.error}"))
             else:
                 w.future.set_result(time.monotonic())
+
+
+def open_pump(engine: Any, transport: str, timeout_s: float,
+              name: str) -> tuple[PoolDescriptor, TransportPump]:
+    """Register an engine's KV pool with a new transport of the named backend, and pump it."""
+    tr = make_transport(transport, timeout_s=timeout_s)
+    tr.register(engine.kv_cache, engine.kv_layout)
+    return tr.descriptor(), TransportPump(tr, name=name)

@@ -8,84 +8,22 @@ tests/test_router_serve.py; it takes about a minute to load the model.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-if not (ROOT / "router" / "app.py").exists():
-    pytest.skip("router not built yet", allow_module_level=True)
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402 - after the importorskip
-
+pytest.importorskip("ray")
 from pd_cluster.cli import main  # noqa: E402
+from serve_run import serve_run  # noqa: E402
 
-START_TIMEOUT_S = 600
-ARGS_OVERRIDES: dict = {}  # the real configs/pd.yaml: disaggregated, 1 P + 1 D
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
 def server():
-    """URL of `serve run` (a temp copy of configs/pd.yaml on a free loopback port)."""
-    work = Path(tempfile.mkdtemp(prefix="pdb", dir="/tmp"))     # short: Ray's socket paths
-    port = free_port()
-    config = yaml.safe_load((ROOT / "configs" / "pd.yaml").read_text())
-    config["http_options"].update(host="127.0.0.1", port=port)
-    config["applications"][0]["args"].update(ARGS_OVERRIDES)
-    (work / "pd.yaml").write_text(yaml.safe_dump(config))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="serve",
-                   log_to_driver=False, _temp_dir=str(work / "ray"))
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    log = work / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run",
-                                 "--address", ctx.address_info["gcs_address"],
-                                 str(work / "pd.yaml")], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"serve run not healthy:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
+    """URL of the real `serve run configs/pd.yaml` (disaggregated, 1 P + 1 D)."""
+    with serve_run({}) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_bench_reports_every_metric_and_goodput_matches_its_records(server: str,

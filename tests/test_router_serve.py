@@ -10,97 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402 - after the importorskip
+pytest.importorskip("ray")
+from serve_run import serve_run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
-# Until the disaggregated actors land, the app runs colocated; then this becomes {}.
-ARGS_OVERRIDES: dict = {}
+ARGS_OVERRIDES: dict = {}   # the real configs/pd.yaml: disaggregated, 1 P + 1 D
 KEY_ENV, KEY = "PD_TEST_API_KEY", "sk-router-test"     # auth on, to test a wrong key
-START_TIMEOUT_S = 600
 FRANCE = "The capital of France is"
 LEAVER_TOKENS = 4000            # at >= 20 ms per decode step: over 80 s to finish naturally
 IDLE_WITHIN_S = 30
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_config(directory: Path) -> Path:
-    config = yaml.safe_load(SERVE_CONFIG.read_text())
-    config["applications"][0]["args"].update(ARGS_OVERRIDES, api_key_env=KEY_ENV)
-    path = directory / "pd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve run exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"no healthy server after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def server():
-    """URL of `serve run` on a private local Ray (2 CPUs); everything is stopped afterwards.
-
-    Serve is started first with a free loopback port, so the config file's port 8000 is
-    ignored by `serve run` ("The new HTTP config is ignored") and parallel runs do not clash.
-    """
-    work = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))   # short: Ray's socket paths
+    """URL of the real `serve run configs/pd.yaml`, with an API key required."""
     os.environ[KEY_ENV] = KEY
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="serve",
-                   log_to_driver=False, _temp_dir=str(work / "ray"))
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    log = work / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run",
-                                 "--address", ctx.address_info["gcs_address"],
-                                 str(write_config(work))], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
+    with serve_run({**ARGS_OVERRIDES, "api_key_env": KEY_ENV}) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)       # serve run shuts the app down on Ctrl-C
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

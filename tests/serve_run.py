@@ -1,0 +1,87 @@
+"""The real `serve run configs/pd.yaml`, started for a test module and stopped after it."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import ray
+import yaml
+from ray import serve
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
+START_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _healthy(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve run exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no healthy server after {START_TIMEOUT_S} s:\n"
+                               f"{log.read_text()[-4000:]}")
+        time.sleep(2)
+
+
+@contextlib.contextmanager
+def serve_run(args_overrides: dict) -> Iterator[str]:
+    """URL of `serve run` on a temp copy of configs/pd.yaml (args updated), on a private local
+    Ray (2 CPUs) and a free loopback port; everything is stopped afterwards.
+
+    Serve is started first with that port, so the file's port 8000 is ignored by `serve run`
+    and parallel runs do not clash.
+    """
+    work = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))   # short: Ray's socket paths
+    config = yaml.safe_load(SERVE_CONFIG.read_text())
+    config["applications"][0]["args"].update(args_overrides)
+    (work / "pd.yaml").write_text(yaml.safe_dump(config))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="serve",
+                   log_to_driver=False, _temp_dir=str(work / "ray"))
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    log = work / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run",
+                                 "--address", ctx.address_info["gcs_address"],
+                                 str(work / "pd.yaml")], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, log)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)       # serve run shuts the app down on Ctrl-C
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
