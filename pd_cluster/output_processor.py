@@ -24,7 +24,6 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
-        self._requests: dict[str, Request] = {}
 
     def add(self, req: Request) -> None:
         detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
@@ -32,7 +31,6 @@ class OutputProcessor:
         # Stop strings only count once min_tokens are out, so the checker starts empty then.
         stops = StopChecker([] if req.params.min_tokens else req.params.stop)
         self._streams[req.request_id] = _Stream(detok, stops)
-        self._requests[req.request_id] = req
 
     def process(self, plan: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
                 sampler: Sampler) -> list[RequestOutput]:
@@ -88,5 +86,5 @@ class OutputProcessor:
                 stream.pending.append(stream.stops.append(stream.detok.flush())
                                       + stream.stops.flush())
         out = self._output(req, finished=True)
-        del self._streams[req.request_id], self._requests[req.request_id]
+        del self._streams[req.request_id]
         return out
