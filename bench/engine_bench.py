@@ -1,6 +1,6 @@
 """Single-GPU engine speed: decode step vs roofline, prefill tok/s, offline throughput.
 
-    python bench/engine_bench.py [--only decode,prefill,offline] [--hf-offline]
+    python bench/engine_bench.py [--only decode,prefill,offline] [--hf-offline] [--sync]
 
 Prints one JSON object. Roofline of a decode step = (weight bytes + KV bytes read) / this
 machine's measured device copy bandwidth (bytes read + written per second).
@@ -53,11 +53,12 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float) -> d
         engine.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / steps
+    running = len(engine.scheduler.running)   # all of them, unless the KV pool ran short
     for i in ids:
         engine.abort(i)
     kv = batch * (context + 5 + steps // 2) * kv_bytes_per_token(LLAMA_31_8B)
     roofline = (params_bytes(LLAMA_31_8B) + kv) / bw
-    return {"batch": batch, "context": context, "step_ms": step_s * 1e3,
+    return {"batch": batch, "running": running, "context": context, "step_ms": step_s * 1e3,
             "roofline_ms": roofline * 1e3, "ratio_to_roofline": step_s / roofline,
             "output_tok_s": batch / step_s}
 
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--only", default="decode,prefill,offline")
     ap.add_argument("--hf-offline", action="store_true")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--sync", action="store_true", help="async scheduling off (for comparison)")
     args = ap.parse_args()
     parts = args.only.split(",")
     res = {"device": torch.cuda.get_device_name(), "model": "llama-3.1-8b shape, dummy bf16"}
@@ -137,7 +139,8 @@ def main() -> None:
     res["copy_bandwidth_GBps"] = bw / 1e9
     t = time.perf_counter()
     llm = LLM(dummy_model_dir(), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
-              max_num_batched_tokens=16384, max_model_len=4096)
+              max_num_batched_tokens=16384, max_model_len=4096, async_scheduling=not args.sync)
+    res["async_scheduling"] = not args.sync
     res["engine_start_s"] = time.perf_counter() - t
     if "decode" in parts:
         res["decode"] = [decode_steps(llm, b, c, args.steps, bw)

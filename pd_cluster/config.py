@@ -91,6 +91,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"       # auto | torch | triton
     cuda_graphs: bool = True
+    async_scheduling: bool = True         # plan and launch step k+1 before step k's tokens are read
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

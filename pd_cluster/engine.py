@@ -7,7 +7,7 @@ import os
 
 from pd_cluster.config import EngineConfig, ModelConfig
 from pd_cluster.kv_cache_manager import KVCacheManager
-from pd_cluster.model_runner import ModelRunner, StepListener
+from pd_cluster.model_runner import LaunchedStep, ModelRunner, StepListener
 from pd_cluster.output_processor import OutputProcessor
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request, RequestStatus
@@ -40,6 +40,7 @@ class LLMEngine:
                                    config.max_prefill_chunk)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._in_flight: LaunchedStep | None = None   # launched, tokens not yet recorded
 
     @property
     def kv_cache(self):
@@ -128,13 +129,43 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its KV blocks are freed at once."""
         req = self.scheduler.finish(request_id, RequestStatus.ABORTED, "abort")
-        return self.outputs.finalize(req) if req else None
+        if req is None:
+            return None
+        req.drop_pending()
+        return self.outputs.finalize(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self, listener: StepListener | None = None) -> list[RequestOutput]:
+        """Plan and launch a step, then report the step before it.
+
+        Async scheduling: the step launched here runs on the device while the host records
+        the previous step's tokens, checks stops, builds outputs and (next call) plans again.
+        A request that stopped in the previous step has one wasted token computed in this one;
+        its blocks return to the pool once that write is done. A step watched by a listener
+        (the prefill side, which pushes KV per layer) is reported before returning.
+        """
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan, listener) if not plan.is_empty else {}
-        finished = self.scheduler.update(plan, sampled)
-        return self.outputs.process(plan, finished, self.scheduler, self.runner.sampler)
+        launched = None
+        if not plan.is_empty:
+            launched = self.runner.execute(plan, listener, self._in_flight)
+            self.kv.step_launched([s.request.request_id for s in plan.scheduled])
+        outputs = self._report(self._in_flight) if self._in_flight else []
+        self._in_flight = None
+        if launched is not None:
+            self.scheduler.advance(plan)
+            self._in_flight = launched
+            if listener is not None or not self.config.async_scheduling:
+                outputs += self._report(launched)
+                self._in_flight = None
+        return outputs
+
+    def _report(self, step: LaunchedStep) -> list[RequestOutput]:
+        sampled = step.result()
+        self.kv.step_done([s.request.request_id for s in step.plan.scheduled])
+        live = [s for s in step.plan.scheduled if s.samples and s.request.request_id in sampled
+                and not s.request.is_finished]
+        finished = self.scheduler.record(step.plan, sampled)
+        return self.outputs.process(SchedulerOutput(live), finished, self.scheduler,
+                                    self.runner.sampler)

@@ -14,6 +14,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
+        # Requests whose blocks a launched step may still be writing (count of such steps), and
+        # blocks freed meanwhile: they return to the pool only once those steps are done, so a
+        # late write can never land in a block that has a new owner.
+        self._writing: dict[str, int] = {}
+        self._deferred: dict[str, list[Block]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,7 +88,24 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so a prefix outlives its suffix in cache."""
-        blocks = self._blocks.pop(request.request_id, [])
-        self._hashes.pop(request.request_id, None)
-        self.pool.release(list(reversed(blocks)))
+        rid = request.request_id
+        blocks = list(reversed(self._blocks.pop(rid, [])))
+        self._hashes.pop(rid, None)
         request.block_ids = []
+        if rid in self._writing:
+            self._deferred.setdefault(rid, []).extend(blocks)
+        else:
+            self.pool.release(blocks)
+
+    def step_launched(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._writing[rid] = self._writing.get(rid, 0) + 1
+
+    def step_done(self, request_ids: list[str]) -> None:
+        """A launched step has finished on the device: release what was freed meanwhile."""
+        for rid in request_ids:
+            left = self._writing.pop(rid) - 1
+            if left:
+                self._writing[rid] = left
+            elif rid in self._deferred:
+                self.pool.release(self._deferred.pop(rid))

@@ -1,11 +1,16 @@
-"""Owns the model, the KV pool and the sampler; runs one scheduled step.
+"""Owns the model, the KV pool and the sampler; launches one scheduled step.
 
 Per step: flatten the scheduled tokens, build the attention metadata (positions, slot mapping,
 block tables, lengths), run the model, take the hidden state of each sequence that samples,
-compute its logits and sample.
+compute its logits and sample. Nothing here waits for the device: host inputs go up with
+non-blocking copies, and the sampled tokens come back in a `LaunchedStep` that is read later,
+so the engine can plan and launch the next step while this one runs (async scheduling). A
+decode whose input token is still on the device (PENDING_TOKEN) takes it from the previous
+step's sampled tokens, on the device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -19,10 +24,31 @@ from pd_cluster.forward_context import ForwardContext
 from pd_cluster.kv_layout import KVLayout
 from pd_cluster.models import ops
 from pd_cluster.models.loader import load_model
-from pd_cluster.sampler import Sampler
+from pd_cluster.request import PENDING_TOKEN, Request
+from pd_cluster.sampler import Sampler, Samples
 from pd_cluster.scheduler import SchedulerOutput
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step in flight: its plan, the requests that sample (in row order) and their samples."""
+
+    plan: SchedulerOutput
+    sampling: list[Request]
+    rows: dict[str, int]                  # request id -> row in `samples`
+    samples: Samples | None               # on the device (None: nobody samples)
+    host: Samples | None                  # the copy on its way to the host
+    done: torch.cuda.Event | None         # fires when `host` is readable (None on CPU)
+
+    def result(self) -> SampledTokens:
+        """Wait for the step and return each sampling request's (token, logprobs)."""
+        if self.host is None:
+            return {}
+        if self.done is not None:
+            self.done.synchronize()
+        return {r.request_id: res for r, res in zip(self.sampling, self.host.results(self.sampling))}
 
 
 class StepListener(Protocol):
@@ -92,8 +118,10 @@ class ModelRunner:
         return n
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, listener: StepListener | None = None) -> SampledTokens:
-        input_ids, positions, meta, sample_idx = self._prepare(plan)
+    def execute(self, plan: SchedulerOutput, listener: StepListener | None = None,
+                prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Launch `plan`; `prev` is the step still in flight, whose tokens feed this one."""
+        input_ids, positions, meta, sample_idx = self._prepare(plan, prev)
         if listener is not None:
             listener.before_forward(plan)
         if self._graph_ok(meta, listener):
@@ -104,22 +132,28 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
         sampling = [s.request for s in plan.scheduled if s.samples]
         if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_idx])
-        results = self.sampler(logits, sampling)
-        return {r.request_id: res for r, res in zip(sampling, results)}
+            return LaunchedStep(plan, [], {}, None, None, None)
+        samples = self.sampler(self.model.compute_logits(hidden[sample_idx]), sampling)
+        host = samples.to_host()
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        rows = {r.request_id: i for i, r in enumerate(sampling)}
+        return LaunchedStep(plan, sampling, rows, samples, host, done)
 
     def _graph_ok(self, meta: AttentionMetadata, listener: StepListener | None) -> bool:
         # Graphs replay whole forwards: no per-layer hooks, decode-only batches that fit.
         return (self.graphs is not None and listener is None
                 and meta.num_decodes == meta.num_seqs and self.graphs.can_run(meta.num_seqs))
 
-    def _prepare(self, plan: SchedulerOutput):
+    def _prepare(self, plan: SchedulerOutput, prev: LaunchedStep | None):
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         q_start, seq_lens, sample_idx = [0], [], []
+        fill_at, fill_from = [], []   # input positions whose token is still on the device
         max_blocks = max(len(s.request.block_ids) for s in plan.scheduled)
         tables = np.zeros((len(plan.scheduled), max_blocks), dtype=np.int32)
         for i, s in enumerate(plan.scheduled):
@@ -133,6 +167,9 @@ class ModelRunner:
             seq_lens.append(end)
             if s.samples:
                 sample_idx.append(q_start[-1] - 1)
+                if ids[-1] == PENDING_TOKEN:
+                    fill_at.append(len(ids) - 1)
+                    fill_from.append(prev.rows[req.request_id])
         num_decodes = 0
         while num_decodes < len(plan.scheduled) and plan.scheduled[num_decodes].num_tokens == 1:
             num_decodes += 1
@@ -140,12 +177,17 @@ class ModelRunner:
             slot_mapping=self._to_device(slots, torch.long),
             query_start_loc=self._to_device(q_start, torch.int32),
             seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=torch.from_numpy(tables).to(self.device),
+            block_tables=torch.from_numpy(tables).to(self.device, non_blocking=True),
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
             max_query_len=max(s.num_tokens for s in plan.scheduled), max_seq_len=max(seq_lens),
             query_start_loc_cpu=q_start, seq_lens_cpu=seq_lens)
-        return (self._to_device(ids, torch.long), self._to_device(pos, torch.long), meta,
+        input_ids = self._to_device(ids, torch.long)
+        if fill_at:
+            input_ids[self._to_device(fill_at, torch.long)] = \
+                prev.samples.tokens[self._to_device(fill_from, torch.long)]
+        return (input_ids, self._to_device(pos, torch.long), meta,
                 self._to_device(sample_idx, torch.long))
 
     def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        # Non-blocking: a pageable copy is staged at once and does not wait for queued work.
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from pd_cluster.sampling_params import SamplingParams
 
 
+# Async scheduling: a token sampled by a step still running on the device. It is the request's
+# last output token from the step's launch until the engine records the step's results.
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"                # queued for (re)computation of its prompt
     PREFILLING = "prefilling"          # some, not all, prompt chunks computed
@@ -99,6 +104,19 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def append_pending(self) -> None:
+        self.output_token_ids.append(PENDING_TOKEN)
+
+    def fill_pending(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        self.output_token_ids[-1] = token_id
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def drop_pending(self) -> None:
+        """Forget a token still on the device (the request ended before it was recorded)."""
+        if self.output_token_ids and self.output_token_ids[-1] == PENDING_TOKEN:
+            self.output_token_ids.pop()
 
     def check_stop(self) -> bool:
         """Finish on a stop token, EOS or the length limit; True if the request just ended."""

@@ -5,6 +5,8 @@ request's samples do not depend on which other requests share its batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pd_cluster.request import Request
@@ -25,18 +27,22 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor,
-                 requests: list[Request]) -> list[tuple[int, dict[int, float] | None]]:
-        """logits: [S, V] fp32, one row per request -> (token, logprobs or None) per request."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> "Samples":
+        """logits: [S, V] fp32, one row per request -> the samples, still on the device."""
         self._mask_stop_tokens(logits, requests)
-        want_logprobs = any(r.params.logprobs is not None for r in requests)
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
+            rows = _on(logits.device, sampled_rows, torch.long)
             tokens[rows] = self._sample(logits[rows], [requests[i] for i in sampled_rows])
-        return self._results(tokens, logprobs, requests)
+        top = max((r.params.logprobs or 0 for r in requests if r.params.logprobs is not None),
+                  default=None)
+        if top is None:
+            return Samples(tokens)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        top_v, top_i = logprobs.topk(top, dim=-1) if top else (None, None)
+        return Samples(tokens, chosen, top_v, top_i)
 
     @staticmethod
     def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -47,26 +53,30 @@ class Sampler:
                 if not r.params.ignore_eos:
                     banned |= r.eos_token_ids
                 if banned:
-                    logits[i, list(banned)] = float("-inf")
+                    logits[i, _on(logits.device, sorted(banned), torch.long)] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         dev = logits.device
-        temp = torch.tensor([r.params.temperature for r in requests], device=dev)
+        temp = _on(dev, [r.params.temperature for r in requests], torch.float32)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
-        probs = self._filter(probs, requests)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        noise = torch.empty_like(probs)
+        if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in requests):
+            probs = self._filter(probs, requests)   # a full sort of the vocabulary: only if asked
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Unseeded rows
+        # share one draw; a seeded row draws from its own generator.
+        noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(requests):
-            noise[i].exponential_(generator=self._generator(r))
+            gen = self._generator(r)
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _filter(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Top-k, then top-p, then min-p; each row keeps at least its most likely token."""
         dev = probs.device
-        top_k = torch.tensor([r.params.top_k or probs.shape[1] for r in requests], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
-        min_p = torch.tensor([r.params.min_p for r in requests], device=dev)
+        top_k = _on(dev, [r.params.top_k or probs.shape[1] for r in requests], torch.long)
+        top_p = _on(dev, [r.params.top_p for r in requests], torch.float32)
+        min_p = _on(dev, [r.params.min_p for r in requests], torch.float32)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[1], device=dev)[None, :]
         drop = rank >= top_k[:, None]
@@ -87,18 +97,46 @@ class Sampler:
             self._generators[request.request_id] = gen
         return gen
 
-    @staticmethod
-    def _results(tokens: torch.Tensor, logprobs: torch.Tensor | None,
-                 requests: list[Request]) -> list[tuple[int, dict[int, float] | None]]:
-        token_list = tokens.tolist()
+
+
+@dataclass(slots=True)
+class Samples:
+    """One step's sampled tokens [S] (and, when asked, logprobs: the chosen token's [S] and the
+    top ones [S, K]); on the device until `to_host`, so the next step can be launched first."""
+
+    tokens: torch.Tensor
+    chosen: torch.Tensor | None = None
+    top_v: torch.Tensor | None = None
+    top_i: torch.Tensor | None = None
+
+    def to_host(self) -> "Samples":
+        """Start copying to the host; read the copy only after the step's event has fired."""
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device.type == "cpu":
+                return t
+            # Pinned memory: only then is a device-to-host copy truly asynchronous.
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return Samples(copy(self.tokens), copy(self.chosen), copy(self.top_v), copy(self.top_i))
+
+    def results(self, requests: list[Request]) -> list[tuple[int, dict[int, float] | None]]:
+        """(token, logprobs or None) per request; host tensors only."""
+        tokens = self.tokens.tolist()
+        chosen = self.chosen.tolist() if self.chosen is not None else None
+        top_v = self.top_v.tolist() if self.top_v is not None else None
+        top_i = self.top_i.tolist() if self.top_i is not None else None
         out = []
-        for i, (r, tok) in enumerate(zip(requests, token_list)):
-            if r.params.logprobs is None:
+        for i, (r, tok) in enumerate(zip(requests, tokens)):
+            n = r.params.logprobs
+            if n is None:
                 out.append((tok, None))
                 continue
-            lp = {tok: logprobs[i, tok].item()}
-            if r.params.logprobs:
-                top_v, top_i = logprobs[i].topk(r.params.logprobs)
-                lp.update(zip(top_i.tolist(), top_v.tolist()))
+            lp = {tok: chosen[i]}
+            if n:
+                lp.update(zip(top_i[i][:n], top_v[i][:n]))
             out.append((tok, lp))
         return out
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on the device without waiting for the device's queued work."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -57,6 +57,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}    # decode side: blocks reserved, KV on its way
         self.holding: dict[str, Request] = {}   # prefill side: blocks kept while KV is sent
+        self.draining: dict[str, Request] = {}  # last token in flight (async scheduling)
         self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
@@ -170,23 +171,42 @@ class Scheduler:
     def _is_decode(req: Request) -> bool:
         return req.num_tokens - req.num_computed_tokens == 1
 
-    def update(self, out: SchedulerOutput,
-               sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
-        """Record computed tokens and sampled ones; returns the requests that finished."""
-        finished = []
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step has been launched: count its tokens as computed and give each request that
+        samples a pending token, so the next step can be scheduled before this one's tokens
+        are known (async scheduling). `record` fills the tokens in."""
         for s in out.scheduled:
             req = s.request
+            if req.is_finished:  # ended (stop, abort) after this step was planned
+                continue
             req.num_computed_tokens += s.num_tokens
             self.kv.cache_computed_blocks(req)
             if s.samples:
-                token, logprobs = sampled[req.request_id]
-                req.append_token(token, logprobs)
+                req.append_pending()
                 if req.hold_kv:
                     self._hold(req)
-                    finished.append(req)
-                elif req.check_stop():
-                    self._remove(req)
-                    finished.append(req)
+                elif len(req.output_token_ids) >= req.params.max_tokens:
+                    # Its last token is in flight: nothing is left to compute, whatever the
+                    # token turns out to be, so it must not be scheduled again.
+                    self.running.remove(req)
+                    self.draining[req.request_id] = req
+
+    def record(self, out: SchedulerOutput,
+               sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
+        """The step's tokens are known: fill them in and check stops; returns the requests
+        that finished (a held request counts: its stream is over on this engine)."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if not s.samples or req.is_finished:
+                continue
+            token, logprobs = sampled[req.request_id]
+            req.fill_pending(token, logprobs)
+            if req.hold_kv:
+                finished.append(req)
+            elif req.check_stop():
+                self._remove(req)
+                finished.append(req)
         return finished
 
     def finish(self, request_id: str, status: RequestStatus, reason: str,
@@ -211,5 +231,6 @@ class Scheduler:
             self.waiting.remove(req)
         self.parked.pop(req.request_id, None)
         self.holding.pop(req.request_id, None)
+        self.draining.pop(req.request_id, None)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)

@@ -32,3 +32,29 @@ def test_triton_equals_torch_backend_on_default_model(default_model_dir):
     # bf16 rounding differs between the two attention implementations, so compare in fp32.
     assert _run(default_model_dir, "triton", "float32") == \
         _run(default_model_dir, "torch", "float32")
+
+
+def test_launching_a_step_never_waits_for_the_device(tiny_model_root):
+    """Async scheduling: planning and launching step k+1 (graph decode, prefill chunks and
+    sampling alike) queues work without a host-device sync, so it overlaps step k."""
+    llm = LLM(make_tiny_model("llama_gqa", tiny_model_root), dtype="bfloat16", device="cuda",
+              max_num_batched_tokens=64, max_model_len=512)
+    engine, execute = llm.engine, llm.engine.runner.execute
+    launches = []
+
+    def strict_execute(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launches.append(execute(*args, **kwargs))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return launches[-1]
+
+    engine.runner.execute = strict_execute
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    for p in PROMPTS:
+        engine.add_request(p, GREEDY)
+        engine.add_request(p, sampled)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(launches) > 24 and engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -29,6 +29,8 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model directory (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shape (config.json only)")
     p.add_argument("-o", "--output", default="pd-profile.json", help="profile file to write")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 on CPU, torch's choice on GPU)")
@@ -56,7 +58,7 @@ def _profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--held-out: expected a share in [0, 1), got {args.held_out}")
     grid.held_out_fraction = args.held_out
     profile = run_profile(args.model, args.dtype, args.device, grid, args.threads,
-                          progress=not args.quiet)
+                          progress=not args.quiet, load_format=args.load_format)
     profile.save(args.output)
     for name, m in (("prefill", profile.prefill), ("decode", profile.decode)):
         terms = " + ".join(f"{c:.4g}·{f}" for c, f in zip(m.coef, m.features))

@@ -66,12 +66,12 @@ def default_grid(device: str) -> ProfileGrid:
 
 def run_profile(model: str | None = None, dtype: str = "auto", device: str = "auto",
                 grid: ProfileGrid | None = None, threads: int | None = None,
-                progress: bool = True) -> Profile:
+                progress: bool = True, load_format: str = "auto") -> Profile:
     """Measure the grid through an engine on this machine and fit both latency models.
 
     `threads`: torch CPU threads; None keeps torch's choice on a GPU and uses 1 on a CPU.
     """
-    probe = EngineConfig(model=model, dtype=dtype, device=device)
+    probe = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format)
     device_type = probe.torch_device().type
     grid = grid or default_grid(device_type)
     if threads is None and device_type == "cpu":
@@ -88,7 +88,7 @@ def run_profile(model: str | None = None, dtype: str = "auto", device: str = "au
     clock = time.process_time if cpu_clock else time.perf_counter
     budget = max(max(map(sum, grid.prefill_points())), max(grid.decode_batches))
     longest = max(max(grid.prefill_tokens), max(grid.decode_contexts)) + grid.decode_steps + 8
-    config = EngineConfig(model=model, dtype=dtype, device=device,
+    config = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format,
                           max_num_batched_tokens=budget, max_num_seqs=max(grid.decode_batches),
                           max_model_len=longest, enable_prefix_caching=False)
     engine = LLMEngine(config)
@@ -154,6 +154,7 @@ def _prefill_step(engine: LLMEngine, prompts: list[list[int]],
     engine.step()
     _sync(engine)
     seconds = clock() - start
+    engine.step()   # reports the step (with async scheduling it is reported by the next call)
     if engine.has_unfinished():
         raise RuntimeError("a prefill point did not fit in one engine step")
     return seconds
@@ -161,7 +162,9 @@ def _prefill_step(engine: LLMEngine, prompts: list[list[int]],
 
 def _decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int,
                   rng: random.Random, clock: Callable[[], float]) -> list[float]:
-    """Seconds of `steps` decode steps over a batch whose prompts' KV is taken as written."""
+    """Seconds per decode step over a batch whose prompts' KV is taken as written, timed over
+    `steps` back-to-back steps: with async scheduling the host's work for one step overlaps
+    the device's work on the previous one, as in serving."""
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     ids = []
     for p in prompts:
@@ -170,15 +173,17 @@ def _decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int,
             raise RuntimeError("the KV pool is too small for a decode point; shrink the grid")
         ids.append(reserved[0])
         engine.resume(reserved[0], rng.randrange(_FIRST_ID, engine.model_cfg.vocab_size))
-    times = []
+    _sync(engine)
+    start = clock()
     for _ in range(steps):
-        start = clock()
         engine.step()
-        _sync(engine)
-        times.append(clock() - start)
+    _sync(engine)
+    seconds = (clock() - start) / steps
     for rid in ids:
         engine.abort(rid)
-    return times
+    while engine.has_unfinished():   # the aborted requests' step still in flight
+        engine.step()
+    return [seconds]
 
 
 def _sync(engine: LLMEngine) -> None:
