@@ -41,24 +41,34 @@ def _sync_step(engine):
 
 def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float) -> dict:
     engine, rng = llm.engine, random.Random(batch * 7 + context)
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    # Room for every token until the timed steps end, so no request finishes before then
+    # (prompts are admitted over several prefill steps; the first ones decode meanwhile).
+    params = SamplingParams(temperature=0, max_tokens=llm.engine.max_model_len - context - 1,
+                            ignore_eos=True)
     ids = [engine.add_request([rng.randrange(1000, 120000) for _ in range(context)], params)
            for _ in range(batch)]
     while any(engine.scheduler.requests[i].num_computed_tokens < context for i in ids):
         engine.step()
     for _ in range(3):
         _sync_step(engine)
+    computed = sum(engine.scheduler.requests[i].num_computed_tokens for i in ids)
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / steps
     running = len(engine.scheduler.running)   # all of them, unless the KV pool ran short
+    # KV read per step: the batch's mean context over the timed steps.
+    kv_tokens = (computed + sum(engine.scheduler.requests[i].num_computed_tokens
+                                for i in ids)) / 2
     for i in ids:
         engine.abort(i)
-    kv = batch * (context + 5 + steps // 2) * kv_bytes_per_token(LLAMA_31_8B)
+    while engine.has_unfinished():
+        engine.step()
+    kv = kv_tokens * kv_bytes_per_token(LLAMA_31_8B)
     roofline = (params_bytes(LLAMA_31_8B) + kv) / bw
-    return {"batch": batch, "running": running, "context": context, "step_ms": step_s * 1e3,
+    return {"batch": batch, "running": running, "context": context,
+            "mean_context": kv_tokens / batch, "step_ms": step_s * 1e3,
             "roofline_ms": roofline * 1e3, "ratio_to_roofline": step_s / roofline,
             "output_tok_s": batch / step_s}
 

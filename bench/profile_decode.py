@@ -34,7 +34,8 @@ def main() -> None:
               max_num_batched_tokens=16384, max_model_len=4096,
               async_scheduling=not args.sync)
     engine, rng = llm.engine, random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)
+    # Room for every token until the profiled steps end: no request finishes before then.
+    params = SamplingParams(temperature=0, max_tokens=4000 - args.context, ignore_eos=True)
     for _ in range(args.batch):
         engine.add_request([rng.randrange(1000, 120000) for _ in range(args.context)], params)
     while any(r.num_computed_tokens < args.context for r in engine.scheduler.running) \
@@ -56,7 +57,8 @@ def main() -> None:
     kernel_us = sum(e.self_device_time_total for e in events) / args.steps
     top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:10]
     print(json.dumps({
-        "batch": args.batch, "context": args.context, "wall_ms": wall * 1e3,
+        "batch": args.batch, "running": len(engine.scheduler.running),
+        "context": args.context, "wall_ms": wall * 1e3,
         "gpu_kernel_ms": kernel_us / 1e3, "step_call_ms": host / args.steps * 1e3,
         "async_scheduling": engine.config.async_scheduling,
         "top_kernels": [{"name": e.key[:80], "ms_per_step": e.self_device_time_total
