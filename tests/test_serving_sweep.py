@@ -1,0 +1,184 @@
+"""bench/serving_sweep.py on the CPU with the default model, as the GPU runs use it: `sweep`
+serves disaggregated 1P1D and one colocated engine, benches two rates on each and writes every
+field of sweep.json and a PNG; `validate` runs `pd-cluster tune` on a small CPU-like profile,
+serves its recommendation, benches it at the same rate and writes a consistent comparison.
+
+Each served configuration takes 20-60 s to start on 2 cores; PD_SKIP_SLOW_TESTS=1 skips the
+two serving tests.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pd_cluster.tuning.profile import DECODE_FEATURES, PREFILL_FEATURES, LatencyModel, Profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import serving_sweep  # noqa: E402
+from serving_sweep import RECORD_COLUMNS, Deployment, app_args  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+slow = pytest.mark.skipif(bool(os.environ.get("PD_SKIP_SLOW_TESTS")),
+                          reason="PD_SKIP_SLOW_TESTS is set")
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+# Short requests and SLOs loose enough for a shared 2-core machine.
+LOAD = ["--input-len", "24", "--output-len", "6", "--ttft-slo", "5s", "--tpot-slo", "1s",
+        "--warmup-requests", "2", "--num-cpus", "2"]
+
+
+def test_configurations_translate_to_app_args():
+    assert Deployment.parse("disagg:2:1").args() == {"mode": "disaggregated", "num_prefill": 2,
+                                                     "num_decode": 1}
+    colo = Deployment.parse("colo:2")
+    assert colo.args() == {"mode": "colocated", "num_prefill": 0, "num_decode": 2}
+    assert (str(colo), colo.gpus) == ("colo:2", 2)
+    assert str(Deployment(1, 3)) == "disagg:1:3"        # a tune row (P, D) names its config
+    with pytest.raises(ValueError, match="disagg:P:D or colo:N"):
+        Deployment.parse("pooled:1")
+    args = app_args(["dtype=bfloat16", "limits.max_queue=1024", "max_model_len=4096"])
+    assert (args["dtype"], args["limits"]["max_queue"], args["max_model_len"]) == \
+        ("bfloat16", 1024, 4096)
+    assert args["limits"]["max_tokens"] == 4096 and "api_key_env" not in args
+
+
+def records_of(point: dict) -> list[dict]:
+    return [dict(zip(RECORD_COLUMNS, row)) for row in point["records"]]
+
+
+@slow
+def test_sweep_measures_every_rate_of_each_configuration(tmp_path: Path):
+    out = tmp_path / "sweep"
+    serving_sweep.main(["sweep", "--configs", "disagg:1:1,colo:1", "--rates", "1,2",
+                        "--window", "3", "--settle", "0.5", "--stop-below", "0",
+                        "--budget-s", "3000", *LOAD,
+                        "-o", str(out)])
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["command"].startswith("python3 bench/serving_sweep.py sweep")
+    assert result["slo"] == {"ttft": 5.0, "tpot": 1.0, "percentile": 90.0}
+    assert set(result["definitions"]) >= {"goodput", "kv_transfer", "window"}
+    assert [c["config"] for c in result["configs"]] == ["disagg:1:1", "colo:1"]
+    for config in result["configs"]:
+        assert "error" not in config, config["error"]
+        assert config["start_s"] > 0 and min(config["kv_capacity_tokens"].values()) > 0
+        assert [p["rate"] for p in config["points"]] == [1.0, 2.0], config["skipped"]
+        for point in config["points"]:
+            check_point(point, config, result["slo"])
+    per = result["summary"]["configs"]
+    assert set(per) == {"disagg:1:1", "colo:1"}
+    for config in result["configs"]:
+        met = [p for p in config["points"] if p["slo_attained"]]
+        assert per[config["config"]]["goodput_per_gpu_meeting_slo"] == pytest.approx(
+            max((p["goodput_per_gpu"] for p in met), default=0.0))
+    ratio = result["summary"]["disagg_over_colocated"]["disagg:1:1 / colo:1"]
+    if per["colo:1"]["goodput_per_gpu_meeting_slo"] > 0:
+        assert ratio["goodput_per_gpu_meeting_slo"] == pytest.approx(
+            per["disagg:1:1"]["goodput_per_gpu_meeting_slo"]
+            / per["colo:1"]["goodput_per_gpu_meeting_slo"])
+    png = (out / "sweep.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE)
+    import matplotlib.pyplot as plt
+    assert plt.imread(out / "sweep.png").shape[2] in (3, 4)
+
+
+def check_point(point: dict, config: dict, slo: dict) -> None:
+    """Every field present, and the numbers agree with the per-request records."""
+    records = records_of(point)
+    assert point["measured"] == len(records) >= 1
+    assert all(0.5 <= r["start"] < 3.5 for r in records)            # the measured window
+    assert point["completed"] == sum(r["ok"] for r in records)
+    assert point["failed"] == 0, point["errors"]
+    assert all(r["output_tokens"] == 6 for r in records)
+    for name in LATENCIES:
+        d = point[name]
+        assert set(d) == {"mean", "p50", "p90", "p99"} and d["p50"] <= d["p90"] <= d["p99"]
+    assert point["ttft"]["p90"] == pytest.approx(np.percentile([r["ttft"] for r in records], 90),
+                                                 abs=1e-5)
+    met = [r["ok"] and r["ttft"] <= slo["ttft"] and r["tpot"] <= slo["tpot"] for r in records]
+    assert [r["met_slo"] for r in records] == met
+    assert point["slo_attainment"] == pytest.approx(sum(met) / len(met))
+    assert point["slo_attained"] == (point["slo_attainment"] >= 0.9)
+    assert point["goodput"] == pytest.approx(point["slo_attainment"] * point["rate"])
+    assert point["goodput_per_gpu"] == pytest.approx(point["goodput"] / config["gpus"])
+    assert point["rate_per_gpu"] == pytest.approx(point["rate"] / config["gpus"])
+    assert point["output_token_throughput"] > 0 and point["achieved_rate"] > 0
+    assert point["whole_run"]["requests"] >= point["measured"]
+    kv = point["kv_transfer"]
+    if config["mode"] == "disaggregated":
+        # Every request of the run (settle included) went through P and moved its KV.
+        assert kv["transfers"] == point["whole_run"]["requests"]
+        assert kv["seconds_per_request"] > 0 and kv["bytes_per_request"] > 0
+        assert 0 < kv["share_of_ttft"] < 1
+    else:
+        assert kv == {"transfers": 0, "seconds_per_request": None, "bytes_per_request": None,
+                      "share_of_ttft": None}
+
+
+@pytest.fixture
+def cpu_profile(tmp_path: Path) -> Path:
+    """SmolLM2-135M in float32 on one core of this machine, roughly (`pd-cluster profile`
+    with a small grid fits about these); KV room for many requests."""
+    path = tmp_path / "cpu.json"
+    Profile(machine={"cpu": "2-core CPU (synthetic)", "device": "cpu"},
+            model={"name": "SmolLM2-135M-Instruct", "dtype": "float32",
+                   "kv_bytes_per_token": 46080},
+            date="2026-01-01T00:00:00+00:00",
+            engine={"block_size": 16, "kv_capacity_tokens": 20000},
+            prefill=LatencyModel(PREFILL_FEATURES, [2.2e-3, 7.5e-7, 0.12]),
+            decode=LatencyModel(DECODE_FEATURES, [5.5e-5, 0.021, 0.06])).save(path)
+    return path
+
+
+@slow
+def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profile: Path):
+    out = tmp_path / "validate"
+    serving_sweep.main(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "1",
+                        "--requests", "6", "--tune-requests", "50", *LOAD,
+                        "--ttft-slo", "2s", "--tpot-slo", "500ms", "-o", str(out)])
+    result = json.loads((out / "validate.json").read_text())
+    assert "errors" not in result, result["errors"]
+    assert set(result["definitions"]) >= {"ttft", "tpot", "goodput", "warm_up"}
+    [point] = result["points"]
+    assert point["config"] == "colo:1" and point["rate"] == 2.0    # one GPU: colocated only
+    predicted, measured = point["predicted"], point["measured"]
+    assert "colocated x1" in predicted["tune_table"]
+    # tune's warm-up: ceil(rate x (TTFT SLO + (output - 1) x TPOT SLO)) = ceil(2 x 4.5) = 9.
+    assert measured["warm_up_requests"] == 9 and measured["measured"] == 6
+    assert measured["whole_run"]["requests"] == 6 + 2 * 9
+    assert [r["index"] for r in records_of(measured)] == list(range(9, 15))
+    assert set(point["checks"]) == {"ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput"}
+    for name, check in point["checks"].items():
+        assert check["predicted"] == predicted[name] and check["measured"] == measured[name]
+        if check["predicted"]:
+            err = (check["measured"] - check["predicted"]) / check["predicted"]
+            assert check["relative_error"] == pytest.approx(err)
+            assert check["within"] == (abs(err) <= 0.15)
+    assert point["pass"] == all(c["within"] for c in point["checks"].values())
+    assert predicted["ttft_p50"] <= predicted["ttft_p90"]
+    assert measured["goodput"] in (0.0, pytest.approx(measured["slo_attainment"] * 2.0))
+    assert point["diagnosis"]["profile_decode_step_s"] > 0
+    assert math.isfinite(point["diagnosis"]["decode_batch_per_instance"])
+    assert (out / "tune_goodput_per_gpu.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_summary_interpolates_where_attainment_crosses_the_percentile():
+    def point(rate: float, attainment: float) -> dict:
+        return {"rate": rate, "slo_attainment": attainment, "slo_attained": attainment >= 0.9,
+                "goodput_per_gpu": attainment * rate / 2}
+    configs = [{"config": "disagg:1:1", "gpus": 2,
+                "points": [point(4, 1.0), point(8, 0.95), point(12, 0.75)]},
+               {"config": "colo:2", "gpus": 2, "points": [point(4, 1.0), point(8, 0.5)]}]
+    result = serving_sweep.summary(configs, 90.0)
+    disagg, colo = result["configs"]["disagg:1:1"], result["configs"]["colo:2"]
+    assert disagg["max_rate_meeting_slo"] == 8 and colo["max_rate_meeting_slo"] == 4
+    assert disagg["crossing_rate"] == pytest.approx(8 + 4 * 0.05 / 0.2)        # 9 req/s
+    assert colo["crossing_rate_per_gpu"] == pytest.approx((4 + 4 * 0.1 / 0.5) / 2)
+    ratio = result["disagg_over_colocated"]["disagg:1:1 / colo:2"]
+    assert ratio["goodput_per_gpu_meeting_slo"] == pytest.approx(0.95 * 8 / 4)
+    assert ratio["crossing_rate_per_gpu"] == pytest.approx(9 / 4.8)
