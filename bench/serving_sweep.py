@@ -611,7 +611,9 @@ def _header(opts: argparse.Namespace, args: dict, slo: SLO) -> dict:
     gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                           capture_output=True, text=True).stdout.splitlines() \
         if shutil.which("nvidia-smi") else []
-    return {"command": " ".join(["python3", "bench/serving_sweep.py", *opts.argv]),
+    # The output folder by its name alone: no path of the machine it ran on.
+    argv = [Path(a).name if a == opts.output_dir else a for a in opts.argv]
+    return {"command": " ".join(["python3", "bench/serving_sweep.py", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"gpus": gpus, "cpus": os.cpu_count(), "python": platform.python_version()},
             "workload": Workload.from_args(None, opts.input_len, opts.output_len).source,
