@@ -1,14 +1,16 @@
 """Serving benchmarks through the real HTTP endpoint: `sweep` (goodput against arrival rate,
 per configuration) and `validate` (`pd-cluster tune`'s prediction against `pd-cluster bench`).
 
-On nvidia-h200-x2, carrying .devbundle and .gpucarry/tok, one command per run (~8 min each):
+On nvidia-h200-x2, carrying .devbundle and .gpucarry/tok, every run starts with
 
     bash .devbundle/unpack.sh && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 && \
-    xz -dkf .gpucarry/tok/tokenizer.json.xz && \
-    M=$(python3 bench/models.py --tokenizer-from .gpucarry/tok) && \
-    S="--set model=$M --set load_format=dummy --set dtype=bfloat16 --set max_model_len=4096" && \
-    # then one of:
+      xz -dkf .gpucarry/tok/tokenizer.json.xz && \
+      M=$(python3 bench/models.py --tokenizer-from .gpucarry/tok) && \
+      S="--set model=$M --set load_format=dummy --set dtype=bfloat16 --set max_model_len=4096"
+
+and goes on with one of these (about 8 minutes each):
+
     # 1. prompt-heavy sweep, 1P1D and two colocated engines
     python3 bench/serving_sweep.py sweep $S --configs disagg:1:1,colo:2 --rates 4,8,12,16,20 \
       --input-len 2048 --output-len 256 -o $OUT/prompt_heavy 2>&1 | tee $OUT/prompt_heavy.log
