@@ -11,11 +11,16 @@ Lifecycle of a request:
     waiting → running          → the request joins the continuous batch with its first token;
                                  a Ray streaming generator yields each output
     abort / lease expiry       → blocks freed; a stream ends with finish_reason "abort"
+Pooled mode (`attach_kv_cache` first; the prefill result carries `pool_keys`): at transfer,
+D reads the prompt blocks it lacks (past its own prefix hit) from the DistributedKVCache into
+the reserved blocks, then releases the request's hold there, whether or not the read worked.
+A block missing from the pool fails the request like a failed transfer.
 It also prefills short prompts itself (`generate`, conditional disaggregation and fallback).
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,9 +29,11 @@ import ray
 from actors.engine_loop import EngineLoop
 from actors.kv_push import expect_transfers
 from actors.messages import STREAM_BACKPRESSURE, KVDestination, PrefillResult, StreamDelta
+from actors.pool_client import PumpKVCacheClient
 from actors.transport_pump import open_pump
 from pd_cluster.config import EngineConfig
 from pd_cluster.sampling_params import SamplingParams
+from transfer.base import TransferError
 from transfer.messages import PoolDescriptor
 
 
@@ -41,7 +48,9 @@ class DecodingActor:
                                                f"decode-{replica_id}-kv")
         self._peers: set[str] = set()
         self._leases: dict[str, asyncio.TimerHandle] = {}
+        self._dests: dict[str, KVDestination] = {}   # reservations, beside their leases
         self.kv_bytes, self.transfer_s = 0, 0.0
+        self.kv_cache: PumpKVCacheClient | None = None  # pooled mode
 
     async def reserve(self, request_id: str, prompt_ids: list[int],
                       params: SamplingParams) -> KVDestination | None:
@@ -52,7 +61,9 @@ class DecodingActor:
         _, block_ids, cached = got
         self._leases[request_id] = asyncio.get_running_loop().call_later(
             self.lease_s, self._expire, request_id)
-        return KVDestination(self.descriptor.encode(), self.descriptor.agent, block_ids, cached)
+        dest = KVDestination(self.descriptor.encode(), self.descriptor.agent, block_ids, cached)
+        self._dests[request_id] = dest
+        return dest
 
     async def renew(self, request_id: str) -> bool:
         """Extend a reservation's lease (its prefill is still running); False if it is gone."""
@@ -67,26 +78,53 @@ class DecodingActor:
     def _expire(self, request_id: str) -> None:
         # Nobody came to decode it (the router or the prefill side died): free its blocks.
         self._leases.pop(request_id, None)
+        self._dests.pop(request_id, None)
         self.loop.abort(request_id)
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     async def decode(self, request_id: str, result: PrefillResult) -> AsyncIterator[StreamDelta]:
         """Stream the request's outputs once the prompt KV from `result` has landed."""
-        lease = self._leases.pop(request_id, None)
+        lease, dest = self._leases.pop(request_id, None), self._dests.pop(request_id, None)
         if lease is None:
             raise RuntimeError(f"request {request_id!r} holds no KV reservation here (expired?)")
         lease.cancel()
         try:
-            await self._connect(result)
-            await asyncio.wait_for(asyncio.wrap_future(
-                expect_transfers(self.pump, result.agent, result.transfer_ids)), self.timeout_s)
+            if result.pool_keys is None:
+                await self._connect(result)
+                await asyncio.wait_for(asyncio.wrap_future(
+                    expect_transfers(self.pump, result.agent, result.transfer_ids)),
+                    self.timeout_s)
+                self.kv_bytes += result.kv_bytes
+                self.transfer_s += result.transfer_s
+            else:
+                await self._pull(request_id, dest, result.pool_keys)
         except BaseException:
             self.loop.abort(request_id)
             raise
-        self.kv_bytes += result.kv_bytes
-        self.transfer_s += result.transfer_s
         async for out in self.loop.resume(request_id, result.token, result.logprobs):
             yield StreamDelta.of(out)
+
+    async def attach_kv_cache(self, kv_cache) -> None:
+        """Pooled mode: read prompt KV from this DistributedKVCache actor (connects both ways)."""
+        self.kv_cache = PumpKVCacheClient(kv_cache, self.pump, self.timeout_s)
+        await self.kv_cache.connect()
+
+    async def _pull(self, request_id: str, dest: KVDestination, keys: list) -> None:
+        """Read the prompt blocks past our own prefix hit from the KV cache, then release the
+        request's hold there."""
+        layout = self.descriptor.layout
+        skip = dest.num_cached_tokens // layout.block_size
+        start = time.monotonic()
+        try:
+            got = await asyncio.wait_for(self.kv_cache.get(keys[skip:], dest.block_ids[skip:]),
+                                         self.timeout_s)
+        finally:
+            self.kv_cache.release(request_id)
+        if got < len(keys) - skip:
+            raise TransferError(f"{request_id}: the KV cache holds {got} of the "
+                                f"{len(keys) - skip} prompt blocks to read")
+        self.kv_bytes += got * layout.block_bytes * 2 * layout.num_layers
+        self.transfer_s += time.monotonic() - start
 
     async def _connect(self, result: PrefillResult) -> None:
         if result.agent not in self._peers:
@@ -111,6 +149,7 @@ class DecodingActor:
             yield StreamDelta.of(out)
 
     async def abort(self, request_id: str) -> None:
+        self._dests.pop(request_id, None)
         lease = self._leases.pop(request_id, None)
         if lease is not None:
             lease.cancel()

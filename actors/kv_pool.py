@@ -9,83 +9,31 @@ Lifecycle of a put (engine → pool):
 Lifecycle of a get (pool → engine):
     begin_get(peer, keys)  → Grant: blocks of the longest cached prefix of keys, pinned under a lease
     the engine reads them  → DONE notice → unpinned;  end_get(id) confirms
-Abort, lease expiry, a deadline or a dead peer end a put by freeing its reserved blocks and a
-get by unpinning, so nothing leaks. A progress thread polls the transport every millisecond
-or so (notices, renewals, deadlines), and end_put/end_get poll it themselves while they wait;
-every method holds the one lock.
+A hold keeps a put's blocks for one reader (pooled mode: the decode engine of the request):
+    begin_put(peer, keys, hold=id) pins the keys' blocks under the hold: cached ones at once,
+                           the written ones when the put lands; so no eviction takes them
+    release(id)            → unpins them, aborts the hold's put if still in flight, and drops
+                             its RequestKeys (a prompt's partial last block, which no other
+                             request can use); a hold not released within hold_s expires alike
+Abort, lease expiry, a deadline or a dead peer end a put by freeing its reserved blocks (and
+its hold) and a get by unpinning, so nothing leaks. A progress thread polls the transport
+every millisecond or so (notices, renewals, deadlines, hold expiry), and end_put/end_get poll
+it themselves while they wait; every method holds the one lock.
 """
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from actors.pool_index import BlockIndex, Key, RequestKey
 from pd_cluster.kv_layout import KVLayout
 from transfer.base import KVTransport, Transfer, TransferError, TransferState
 from transfer.registry import make_transport
-
-Key = Hashable  # a prefix block hash: int or bytes
-
-
-class BlockIndex:
-    """Pool blocks by key, least recently used first; pinned blocks are never evicted.
-
-    A block is exactly one of: free, reserved (being written, not yet findable), cached.
-    """
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.free_ids = list(range(num_blocks))
-        self.cached: OrderedDict[Key, int] = OrderedDict()  # oldest first
-        self.pins: dict[int, int] = {}
-        self.hits = self.misses = self.evictions = 0
-
-    def allocate(self, n: int) -> list[int]:
-        """Up to n blocks, evicting unpinned cached blocks (oldest first) when none are free."""
-        while len(self.free_ids) < n and self._evict_one():
-            pass
-        taken, self.free_ids = self.free_ids[:n], self.free_ids[n:]
-        return taken
-
-    def _evict_one(self) -> bool:
-        victim = next((k for k, b in self.cached.items() if b not in self.pins), None)
-        if victim is None:
-            return False
-        self.free_ids.append(self.cached.pop(victim))
-        self.evictions += 1
-        return True
-
-    def insert(self, keys: Sequence[Key], block_ids: Sequence[int]) -> None:
-        for key, b in zip(keys, block_ids):
-            old = self.cached.pop(key, None)
-            if old is not None:  # two puts raced for a key: keep the newer copy
-                self.free_ids.append(old)
-            self.cached[key] = b
-
-    def prefix(self, keys: Sequence[Key]) -> list[int]:
-        """Blocks of the longest cached prefix of keys, marked most recently used."""
-        found = []
-        for key in keys:
-            if key not in self.cached:
-                break
-            self.cached.move_to_end(key)
-            found.append(self.cached[key])
-        self.hits += len(found)
-        self.misses += len(keys) - len(found)
-        return found
-
-    def pin(self, block_ids: Sequence[int], delta: int) -> None:
-        for b in block_ids:
-            left = self.pins.get(b, 0) + delta
-            if left:
-                self.pins[b] = left
-            else:
-                self.pins.pop(b, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +51,25 @@ class _Pending:
     kind: str              # "put" | "get"
     grant: Grant
     transfer: Transfer
+    hold: str | None = None
     settled: bool = False
+
+
+@dataclass(slots=True)
+class _Hold:
+    """Blocks kept for one reader: pinned once each, until release or `until`."""
+
+    until: float                                        # monotonic expiry
+    keys: list[Key]
+    blocks: list[int] = field(default_factory=list)
 
 
 class DistributedKVCache:
     """Start with `start_kv_cache(...)`; see the module docstring for the protocol."""
 
     def __init__(self, layout: KVLayout, backend: str = "nixl", name: str | None = None,
-                 timeout_s: float = 30.0, lease_s: float = 10.0, device: str = "cpu"):
+                 timeout_s: float = 30.0, lease_s: float = 10.0, device: str = "cpu",
+                 hold_s: float = 60.0):
         pin = device == "cpu" and torch.cuda.is_available()  # pinned host memory DMAs at full speed
         self.kv = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device,
                               pin_memory=pin)
@@ -118,6 +77,11 @@ class DistributedKVCache:
         self.transport.register(self.kv, layout)
         self.index = BlockIndex(layout.num_blocks)
         self._pending: dict[str, _Pending] = {}
+        self._holds: dict[str, _Hold] = {}
+        # Released holds, until hold_s later: a put that comes after its release (an abort
+        # that overtook it) is refused instead of holding blocks nobody will read.
+        self._released: dict[str, float] = {}
+        self.hold_s = hold_s
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, daemon=True)
@@ -130,13 +94,27 @@ class DistributedKVCache:
         with self._lock:
             return self.transport.connect(peer_descriptor)
 
-    def begin_put(self, peer: str, keys: Sequence[Key]) -> Grant:
+    def begin_put(self, peer: str, keys: Sequence[Key], hold: str | None = None) -> Grant:
+        """Reserve blocks for the keys not cached yet. With `hold`, every key's block is kept
+        for one reader, and a pool too full to take them all refuses the put."""
         with self._lock:
-            missing = [i for i, k in enumerate(keys) if k not in self.index.cached]
+            cached = self.index.cached
+            missing = [i for i, k in enumerate(keys) if k not in cached]
+            if hold in self._released:
+                raise TransferError(f"hold {hold} was released before its put")
+            if hold is not None:  # pin the cached ones before allocating may evict them
+                self._holds.setdefault(hold, _Hold(time.monotonic() + self.hold_s, []))
+                present = [k for k in keys if k in cached]
+                self._keep(hold, present, [cached[k] for k in present])
             blocks = self.index.allocate(len(missing))
+            if hold is not None and len(blocks) < len(missing):
+                self.index.free_ids.extend(blocks)
+                self.release(hold)
+                raise TransferError(f"the KV cache has no room for {len(missing)} more blocks "
+                                    f"(hold {hold})")
             missing = missing[:len(blocks)]  # the pool may be full of pinned blocks
             grant = Grant(uuid.uuid4().hex, blocks, [keys[i] for i in missing], missing)
-            self._track("put", peer, grant)
+            self._track("put", peer, grant, hold)
             return grant
 
     def begin_get(self, peer: str, keys: Sequence[Key]) -> Grant:
@@ -162,6 +140,20 @@ class DistributedKVCache:
                 self.transport.abort(p.transfer, reason)
                 self._settle(p)
 
+    def release(self, hold: str) -> None:
+        """End a hold: abort its put if still in flight, unpin its blocks, drop its
+        RequestKeys. Releasing an unknown (or already ended) hold does nothing."""
+        with self._lock:
+            h = self._holds.pop(hold, None)
+            self._released[hold] = time.monotonic() + self.hold_s
+            for p in self._pending.values():
+                if p.hold == hold and not p.settled:
+                    self.transport.abort(p.transfer, f"hold {hold} released")
+                    self._settle(p)
+            if h is not None:
+                self.index.pin(h.blocks, -1)
+                self._drop_request_keys(h.keys)
+
     def contains(self, keys: Sequence[Key]) -> int:
         """How many leading keys are cached (without counting as hits)."""
         with self._lock:
@@ -173,8 +165,11 @@ class DistributedKVCache:
             reserved = sum(len(p.grant.block_ids) for p in self._pending.values()
                            if p.kind == "put" and not p.settled)
             return dict(capacity=ix.num_blocks, free=len(ix.free_ids), cached=len(ix.cached),
-                        reserved=reserved, pinned=len(ix.pins), hits=ix.hits, misses=ix.misses,
-                        evictions=ix.evictions, in_flight=self.transport.in_flight(),
+                        reserved=reserved, pinned=len(ix.pins), holds=len(self._holds),
+                        request_blocks=len(ix.orphans) + sum(
+                            isinstance(k, RequestKey) for k in ix.cached),
+                        hits=ix.hits, misses=ix.misses, evictions=ix.evictions,
+                        in_flight=self.transport.in_flight(),
                         block_bytes=self.transport.layout.block_bytes * 2
                         * self.transport.layout.num_layers)
 
@@ -185,9 +180,9 @@ class DistributedKVCache:
             self.transport.close()
 
     # -- internals -----------------------------------------------------------------------
-    def _track(self, kind: str, peer: str, grant: Grant) -> None:
+    def _track(self, kind: str, peer: str, grant: Grant, hold: str | None = None) -> None:
         t = self.transport.expect(peer, grant.transfer_id)
-        p = _Pending(kind, grant, t)
+        p = _Pending(kind, grant, t, hold)
         self._pending[grant.transfer_id] = p
         if not grant.block_ids:  # nothing to move: settled already
             t.state = TransferState.DONE
@@ -201,12 +196,41 @@ class DistributedKVCache:
         ok = p.transfer.state is TransferState.DONE
         if p.kind == "put":
             if ok:
-                self.index.insert(p.grant.keys, p.grant.block_ids)
+                kept = self.index.insert(p.grant.keys, p.grant.block_ids)
+                if p.hold is not None:
+                    self._keep(p.hold, p.grant.keys, kept)
             else:
                 self.index.free_ids.extend(p.grant.block_ids)
+                if p.hold is not None:
+                    self.release(p.hold)
         else:
             self.index.pin(p.grant.block_ids, -1)
         self.transport.release(p.transfer)
+
+    def _keep(self, hold: str, keys: Sequence[Key], block_ids: list[int]) -> None:
+        """Pin the blocks of `keys` under a hold; if it ended meanwhile (released, expired),
+        their RequestKeys have no reader left: drop them."""
+        h = self._holds.get(hold)
+        if h is None:
+            self._drop_request_keys(keys)
+            return
+        h.keys.extend(keys)
+        h.blocks.extend(block_ids)
+        self.index.pin(block_ids, +1)
+
+    def _drop_request_keys(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            if isinstance(key, RequestKey):
+                self.index.drop(key)
+
+    def _expire_holds(self) -> None:
+        # Both dicts are in creation order, which (hold_s being fixed) is expiry order: look
+        # only at their heads, since this runs every millisecond.
+        now = time.monotonic()
+        while self._holds and now > next(iter(self._holds.values())).until:
+            self.release(next(iter(self._holds)))
+        while self._released and now > next(iter(self._released.values())):
+            del self._released[next(iter(self._released))]
 
     def _settle_wait(self, transfer_id: str) -> Grant:
         """Drive the transport ourselves until the transfer settles.
@@ -247,6 +271,7 @@ class DistributedKVCache:
         while not self._stop.wait(1e-3):
             with self._lock:
                 self._pump()
+                self._expire_holds()
                 self._forget_unclaimed_settled()
 
     def _forget_unclaimed_settled(self) -> None:

@@ -23,7 +23,8 @@ class KVDestination:
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    """What the prefill engine hands over once every KV write has landed."""
+    """What the prefill engine hands over once every KV write has landed (push mode: in the
+    decode engine's blocks; pooled mode: in the DistributedKVCache)."""
 
     token: int                            # the first generated token
     logprobs: dict[int, float] | None
@@ -34,6 +35,10 @@ class PrefillResult:
     kv_bytes: int                         # bytes it wrote
     transfer_s: float                     # from its first write to the last completion
     first_output: RequestOutput           # the prefill engine's output for the first token
+    # Pooled mode: the DistributedKVCache key of each prompt block, held there for the decode
+    # engine under the request id (which reads the blocks it lacks, then releases the hold).
+    # None in push mode.
+    pool_keys: list | None = None
 
 
 @dataclass(slots=True)

@@ -12,10 +12,17 @@ Lifecycle of a request:
                                       prefix cache) and a PrefillResult goes back to the caller
     failure / abort / timeout       → writes aborted (the decode side is told), blocks freed,
                                       the caller gets the error
+Pooled mode (no destination; `attach_kv_cache` first): the prompt is prefilled the same way,
+then its blocks are put into the DistributedKVCache in one write, keyed by `prompt_keys` (full
+blocks by prefix hash, a partial last block by request) and kept there under a hold named
+by the request id for its decode engine; blocks the pool already has are not sent. It gives
+up the layer-wise overlap for engines that never address each other. A failed or refused
+put frees the pool's side and raises; the engine's blocks are freed either way.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -24,8 +31,12 @@ import ray
 from actors.engine_loop import EngineLoop
 from actors.kv_push import KVPusher
 from actors.messages import KVDestination, PrefillResult
+from actors.pool_client import PumpKVCacheClient
+from actors.pool_index import prompt_keys
 from actors.transport_pump import open_pump
 from pd_cluster.config import EngineConfig
+from pd_cluster.engine import LLMEngine
+from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from transfer.messages import PoolDescriptor
 
@@ -45,6 +56,7 @@ class PrefillActor:
         self.kv_bytes, self.transfer_s = 0, 0.0
         self._fail_next = 0
         self._releases: set[asyncio.Future] = set()
+        self.kv_cache: PumpKVCacheClient | None = None  # pooled mode
 
     def pool(self) -> bytes:
         return self.descriptor.encode()
@@ -54,20 +66,25 @@ class PrefillActor:
         for pool in pools:
             await self._connect_pool(pool)
 
+    async def attach_kv_cache(self, kv_cache) -> None:
+        """Pooled mode: put prompt KV into this DistributedKVCache actor (connects both ways)."""
+        self.kv_cache = PumpKVCacheClient(kv_cache, self.pump, self.timeout_s)
+        await self.kv_cache.connect()
+
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      dest: list) -> PrefillResult:
+                      dest: list | None) -> PrefillResult:
         """Prefill the prompt into the destination `dest[0]` (an ObjectRef of D's
-        KVDestination, left unresolved in a list so the prefill starts while D reserves);
-        returns the first token once its KV has landed."""
+        KVDestination, left unresolved in a list so the prefill starts while D reserves), or
+        with `dest` None into the DistributedKVCache; returns the first token once its KV
+        has landed."""
+        if dest is None:
+            return await self._prefill_into_kv_cache(request_id, prompt_ids, params)
         self.pusher.add(request_id)
         destination = asyncio.ensure_future(self._destination(request_id, dest[0]))
-        last, ok = None, False
+        ok = False
         try:
-            async for out in self.loop.stream(request_id, prompt_ids, params, hold_kv=True):
-                last = out
+            last = await self._first_output(request_id, prompt_ids, params)
             dest = await asyncio.wait_for(destination, self.timeout_s)
-            if last is None or last.outputs[0].finish_reason == "abort":
-                raise RuntimeError(f"prefill of {request_id} was aborted")
             if self._fail_next:
                 self._fail_next -= 1
                 self.pusher.fail(request_id, "injected transfer failure")
@@ -79,17 +96,51 @@ class PrefillActor:
             if not ok:
                 destination.cancel()
                 self.pusher.abort(request_id)
-            # Freeing the blocks need not delay the answer (nor TTFT): queue it and go on.
-            self._releases.add(asyncio.ensure_future(
-                self.loop.call(lambda e: e.release(request_id))))
-            self._releases = {t for t in self._releases if not t.done()}
-        o = last.outputs[0]
-        nbytes = self._bytes_of(dest, len(prompt_ids))
-        elapsed = time.monotonic() - start
+            self._release(request_id)
+        return self._result(last, ids, self._bytes_of(dest, len(prompt_ids)), start)
+
+    async def _prefill_into_kv_cache(self, request_id: str, prompt_ids: list[int],
+                                     params: SamplingParams) -> PrefillResult:
+        if self.kv_cache is None:
+            raise RuntimeError("pooled prefill needs a DistributedKVCache: attach_kv_cache first")
+        layout = self.descriptor.layout
+        keys = prompt_keys(request_id, prompt_ids, layout.block_size)
+        try:
+            last = await self._first_output(request_id, prompt_ids, params)
+            start = time.monotonic()
+            blocks = await self.loop.call(lambda e: _held_blocks(e, request_id))
+            if self._fail_next:
+                self._fail_next -= 1
+                await self.kv_cache.release(request_id)  # so the pool refuses the put
+            added = await self.kv_cache.put(keys, blocks, hold=request_id)
+        finally:
+            self._release(request_id)
+        nbytes = added * layout.block_bytes * 2 * layout.num_layers
+        return dataclasses.replace(self._result(last, [], nbytes, start), pool_keys=keys)
+
+    async def _first_output(self, request_id: str, prompt_ids: list[int],
+                            params: SamplingParams) -> RequestOutput:
+        """Run the prefill; its last output (the first token's), its KV blocks held."""
+        last = None
+        async for out in self.loop.stream(request_id, prompt_ids, params, hold_kv=True):
+            last = out
+        if last is None or last.outputs[0].finish_reason == "abort":
+            raise RuntimeError(f"prefill of {request_id} was aborted")
+        return last
+
+    def _release(self, request_id: str) -> None:
+        # Freeing the blocks need not delay the answer (nor TTFT): queue it and go on.
+        self._releases.add(asyncio.ensure_future(
+            self.loop.call(lambda e: e.release(request_id))))
+        self._releases = {t for t in self._releases if not t.done()}
+
+    def _result(self, last: RequestOutput, transfer_ids: list[str], nbytes: int,
+                start: float) -> PrefillResult:
+        o, elapsed = last.outputs[0], time.monotonic() - start
         self.kv_bytes += nbytes
         self.transfer_s += elapsed
         return PrefillResult(o.token_ids[0], o.logprobs[0] if o.logprobs else None,
-                             self.descriptor.encode(), self.descriptor.agent, ids,
+                             self.descriptor.encode(), self.descriptor.agent, transfer_ids,
                              last.num_cached_tokens, nbytes, elapsed, last)
 
     async def _destination(self, request_id: str, ref) -> KVDestination:
@@ -116,11 +167,20 @@ class PrefillActor:
         return sent_blocks * layout.block_bytes * 2 * layout.num_layers
 
     async def abort(self, request_id: str) -> None:
-        self.loop.abort(request_id)
+        def end(engine: LLMEngine) -> None:
+            # Past its prefill a request is held, its stream over: it ends by release (the
+            # engine has no stream left to abort). Else abort it; the command runs right
+            # after this one, before any step could make it held.
+            if request_id in engine.scheduler.holding:
+                engine.release(request_id)
+            else:
+                self.loop.abort(request_id)
         self.pusher.abort(request_id)
+        await self.loop.call(end)
 
     async def fail_next_transfer(self) -> None:
-        """Fault injection for tests: abort the next request's KV writes before they settle."""
+        """Fault injection for tests: abort the next request's KV writes before they settle
+        (pooled mode: have the pool refuse its put)."""
         self._fail_next += 1
 
     async def load(self) -> dict[str, Any]:
@@ -131,3 +191,10 @@ class PrefillActor:
     async def timeline(self) -> list[tuple[str, int, float]]:
         """Per-layer (\"computed\" | \"posted\", layer, time) marks of the pusher."""
         return list(self.pusher.timeline)
+
+
+def _held_blocks(engine: LLMEngine, request_id: str) -> list[int]:
+    req = engine.scheduler.holding.get(request_id)
+    if req is None:
+        raise RuntimeError(f"prefill of {request_id} was aborted")
+    return list(req.block_ids)

@@ -3,8 +3,9 @@
     build_app(args)            validates args (AppConfig), sizes the engine replicas from
                                ray.cluster_resources() and binds one router deployment
     OpenAIRouter.__init__      loads the tokenizer, starts the engine replicas (prefill and
-                               decode, or colocated) through the mode's EngineClient, waits
-                               until they have loaded the model
+                               decode, or colocated; pooled: and the DistributedKVCache)
+                               through the mode's EngineClient, waits until they have loaded
+                               the model
     __serve_build_asgi_app__   the FastAPI app of router/api.py
 
 The engine replicas are plain Ray actors owned by the router replica, not Serve deployments:
@@ -68,11 +69,8 @@ def engine_config(config: AppConfig, max_model_len: int) -> EngineConfig:
 
 def start_client(config: AppConfig, engine: EngineConfig,
                  actor_options: Mapping[str, dict[str, Any]]) -> Any:
-    """The mode's EngineClient, with its engine replicas started (not yet ready)."""
-    if config.mode == "pooled":
-        # The DistributedKVCache exists (actors/kv_pool.py) but no client routes through it
-        # yet; refuse rather than silently run push mode.
-        raise ValueError("mode: 'pooled' is not served yet; use 'disaggregated' or 'colocated'")
+    """The mode's EngineClient, with its engine replicas started (not yet ready). Pooled mode
+    is the disaggregated client with KV through a DistributedKVCache, made in wait_ready."""
     if config.mode == "colocated":
         from router.colocated_client import ColocatedClient
         return ColocatedClient.start(config, engine, actor_options)

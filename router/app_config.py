@@ -152,7 +152,7 @@ class AppConfig:
     num_decode: int = 1                     # decode replicas (engines, in colocated mode)
     prefill_resources: ReplicaResources | str = AUTO   # "auto": see replica_actor_options
     decode_resources: ReplicaResources | str = AUTO
-    transport: str = "nixl"                 # KV transport between P and D
+    transport: str = "nixl"                 # KV transport between P and D (pooled: and the pool)
     block_size: int = 16                    # tokens per KV block; a power of two
     dtype: str = "auto"                     # "auto": the checkpoint's dtype (float32 on CPU)
     max_model_len: int | None = None        # None: the model's context length

@@ -4,10 +4,15 @@ One request, push mode (DESIGN.md):
     1. D.reserve      blocks for the prompt on the decode replica the route names
     2. P.prefill      the prefill replica computes the prompt and pushes its KV layer by layer
     3. D.decode       D waits for the writes to land, then streams tokens
+Pooled mode (DESIGN.md): P and D never address each other. At start the client makes one
+DistributedKVCache (sized like a prefill engine's pool, on the same transport) and attaches
+every engine to it. 1 is the same; in 2 P puts the prompt's blocks into the pool under a hold
+named by the attempt id; in 3 D reads the blocks it lacks from there and ends the hold. A
+hold that nobody ends (abort, a dead D) is released by the client, else expires in the pool.
 Failures, by where they happen:
     - no room on D at reserve        → D prefills it itself (it queues there)
     - P died, or its transfer failed → `prefill_failure_policy`: recompute (another live P,
-                                       else D itself) or fail
+      (pooled: its put to the pool)    else D itself) or fail
     - D died mid-stream              → re-run on another live D from prompt + tokens already
                                        streamed; the caller sees one continuous stream
     - no live D left                 → EngineUnavailable
@@ -24,6 +29,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.decode_actor import DecodingActor
+from actors.kv_pool import start_kv_cache
 from actors.messages import StreamAccumulator, StreamDelta
 from actors.prefill_actor import PrefillActor
 from pd_cluster.config import EngineConfig
@@ -31,6 +37,7 @@ from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
 from router.routing import DECODE, PREFILL, ReplicaLoad, Route
+from transfer.messages import PoolDescriptor
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 5.0
@@ -43,9 +50,11 @@ class EngineUnavailable(RuntimeError):
 
 
 class DisaggregatedClient:
-    def __init__(self, prefill: Sequence[Any], decode: Sequence[Any], recompute: bool = True):
+    def __init__(self, prefill: Sequence[Any], decode: Sequence[Any], recompute: bool = True,
+                 pooled: bool = False, timeout_s: float = 120.0):
         self.prefill, self.decode = list(prefill), list(decode)
-        self.recompute = recompute
+        self.recompute, self.pooled, self.timeout_s = recompute, pooled, timeout_s
+        self.kv_cache: Any = None   # pooled mode: the DistributedKVCache, once ready
         self.dead: set[tuple[str, int]] = set()
         self._where: dict[str, tuple[str, Any, Any]] = {}  # id → (attempt id, P or None, D)
 
@@ -57,17 +66,30 @@ class DisaggregatedClient:
             engine, i, config.transport, timeout) for i in range(config.num_prefill)]
         d = [DecodingActor.options(**actor_options[DECODE]).remote(
             engine, i, config.transport, timeout) for i in range(config.num_decode)]
-        return cls(p, d, config.prefill_failure_policy == "recompute")
+        return cls(p, d, config.prefill_failure_policy == "recompute",
+                   config.mode == "pooled", timeout)
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Every replica has loaded its model, and every P–D pair is connected both ways."""
+        """Every replica has loaded its model, and every P–D pair is connected both ways
+        (pooled mode: every replica to the DistributedKVCache)."""
         async def ready() -> None:
             await asyncio.gather(*[a.load.remote() for a in self.prefill + self.decode])
             p_pools = await asyncio.gather(*[p.pool.remote() for p in self.prefill])
+            if self.pooled:
+                await self._start_kv_cache(PoolDescriptor.decode(p_pools[0]))
+                return
             d_pools = await asyncio.gather(*[d.pool.remote() for d in self.decode])
             await asyncio.gather(*[d.connect.remote(p_pools) for d in self.decode],
                                  *[p.connect.remote(d_pools) for p in self.prefill])
         await asyncio.wait_for(ready(), timeout_s)
+
+    async def _start_kv_cache(self, prefill_pool: PoolDescriptor) -> None:
+        # As many blocks as a prefill engine's pool, on its transport: room for what a
+        # prefill engine holds at once, plus a prefix cache the size of one.
+        self.kv_cache = start_kv_cache(prefill_pool.layout, prefill_pool.backend,
+                                       timeout_s=self.timeout_s)
+        await asyncio.gather(*[a.attach_kv_cache.remote(self.kv_cache)
+                               for a in self.prefill + self.decode])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
@@ -98,6 +120,7 @@ class DisaggregatedClient:
                         yield acc.add(delta)
                     return
                 except RayActorError as e:
+                    self._release_kv(attempt_id)
                     self.dead.add((DECODE, d_id))
                     d_id = self._live(DECODE, exclude=d_id, cause=e)
                     attempt += 1
@@ -117,11 +140,14 @@ class DisaggregatedClient:
         self._where[request_id] = (attempt_id, None, d)
         if route.prefill_id is not None:
             # Reserve on D and prefill on P at once: P needs D's blocks only for its first
-            # writes, so the reservation's round trip stays off the TTFT path.
+            # writes (pooled: not at all), so the reservation's round trip stays off the TTFT path.
             dest = d.reserve.remote(attempt_id, prompt, params)
-            result = await self._prefill(request_id, attempt_id, prompt, params, dest,
-                                         route.prefill_id, d)
+            result = await self._prefill(request_id, attempt_id, prompt, params,
+                                         None if self.pooled else [dest], route.prefill_id, d)
             self._where[request_id] = (attempt_id, None, d)
+            if result is not None and self.pooled and await dest is None:
+                self._release_kv(attempt_id)   # D had no room: it prefills itself, below
+                result = None
             if result is not None:
                 # With stop strings, D must judge the first token's text with the next.
                 early = None if params.stop else StreamDelta.of(_unfinished(result.first_output))
@@ -132,15 +158,16 @@ class DisaggregatedClient:
                 None)
 
     async def _prefill(self, request_id: str, attempt_id: str, prompt: list[int],
-                       params: SamplingParams, dest: Any, p_id: int, d: Any):
-        """The PrefillResult, or None when D should prefill itself (recompute policy)."""
+                       params: SamplingParams, dest: list | None, p_id: int, d: Any):
+        """The PrefillResult, or None when D should prefill itself (recompute policy).
+        `dest`: [D's reservation ref] (push mode) or None (pooled mode)."""
         tried: set[int] = set()
         while True:
             p = self.prefill[p_id]
             self._where[request_id] = (attempt_id, p, d)
             try:
                 return await _renewing(d, attempt_id, p.prefill.remote(attempt_id, prompt,
-                                                                        params, [dest]))
+                                                                        params, dest))
             except (RayActorError, RayTaskError) as e:
                 if isinstance(e, RayActorError):
                     self.dead.add((PREFILL, p_id))
@@ -171,12 +198,17 @@ class DisaggregatedClient:
                                     f"({_reason(cause)})") from cause
         return alive[0]
 
-    @staticmethod
-    def _abort_quietly(attempt_id: str, p: Any, d: Any) -> None:
+    def _abort_quietly(self, attempt_id: str, p: Any, d: Any) -> None:
         # Fire and forget: this may run while the caller is being cancelled.
         for actor in (p, d):
             if actor is not None:
                 actor.abort.remote(attempt_id)
+        self._release_kv(attempt_id)
+
+    def _release_kv(self, attempt_id: str) -> None:
+        """Pooled mode: end the attempt's hold in the KV cache (a no-op once D has read it)."""
+        if self.kv_cache is not None:
+            self.kv_cache.release.remote(attempt_id)
 
     async def abort(self, request_id: str) -> None:
         where = self._where.get(request_id)

@@ -1,0 +1,227 @@
+"""Pooled mode with real Ray actors: KV goes P → DistributedKVCache → D. Output equal to
+colocated and HF for each CPU transport, a shared prefix found in the pool, and an abort, a
+refused put and a killed decoder each ending with every pool (P, D, the KV cache) free."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from hf_reference import hf_greedy
+from pd_cluster import LLM, SamplingParams
+from router.routing import Route
+from tiny_models import make_tiny_model
+
+ray = pytest.importorskip("ray")
+from router.app import engine_config, start_client  # noqa: E402
+from router.app_config import AppConfig  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# A partial last block, a prompt shorter than a block, a shared prefix, whole blocks only.
+PROMPTS = [list(range(5, 70)), [7, 8, 9], list(range(5, 40)) + [1, 2], list(range(100, 132))]
+OPTIONS = {"prefill": {"num_cpus": 0}, "decode": {"num_cpus": 0}}
+POOL_IDLE = ("reserved", "pinned", "holds", "in_flight", "request_blocks")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    from test_transfer_actors import start_ray
+
+    start_ray()
+    yield
+    ray.shutdown()
+
+
+def start(model_dir: str, transport: str, num_decode: int = 1):
+    # Small KV pools (8 sequences of 512 tokens) keep the engines and the KV cache light.
+    config = AppConfig.from_args({"model": model_dir, "mode": "pooled", "transport": transport,
+                                  "num_decode": num_decode, "max_model_len": 512,
+                                  "max_num_seqs": 8,
+                                  "limits": {"request_timeout_s": 30, "max_tokens": 400}})
+    client = start_client(config, engine_config(config, 512), OPTIONS)
+    asyncio.run(client.wait_ready(120))
+    return client
+
+
+def shutdown(client) -> None:
+    for a in [*client.prefill, *client.decode, client.kv_cache]:
+        ray.kill(a)
+
+
+async def collect(client, rid, prompt, params=GREEDY, route=Route(0, 0), on_output=None):
+    final = None
+    async for out in client.generate(rid, prompt, params, route):
+        final = out
+        if on_output is not None:
+            await on_output(out)
+    return final
+
+
+def run_all(client, prompts, prefix="q", route=Route(0, 0)):
+    async def go():
+        return await asyncio.gather(*[collect(client, f"{prefix}{i}", p, route=route)
+                                      for i, p in enumerate(prompts)])
+    return [o.outputs[0].token_ids for o in asyncio.run(go())]
+
+
+def pool_stats(client) -> dict:
+    return ray.get(client.kv_cache.stats.remote())
+
+
+def assert_all_free(client, within_s: float = 10.0) -> None:
+    """Every live engine holds no block and runs nothing; the KV cache holds nothing for any
+    request (cached prefix blocks are free to evict, like an engine's cached free blocks)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        loads, stats = asyncio.run(client.loads()), pool_stats(client)
+        free = all(ld.kv_blocks_used == 0 and ld.num_running == 0 for ld in loads) and \
+            all(stats[k] == 0 for k in POOL_IDLE)
+        if free or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert free, (loads, stats)
+    assert stats["free"] + stats["cached"] == stats["capacity"], stats
+
+
+def test_holds_keep_blocks_until_released_or_expired():
+    """The pool alone, in process: what a hold pins, refuses and frees."""
+    from actors.kv_pool import DistributedKVCache
+    from actors.pool_index import RequestKey
+    from test_transfer_support import tiny_layout
+    from transfer.base import TransferError
+    from transfer.registry import make_transport
+
+    layout = tiny_layout()
+    pool = DistributedKVCache(tiny_layout(num_blocks=8), "local", hold_s=0.3)
+    engine = make_transport("local")
+    engine.register(layout.allocate(), layout)
+    pool_name = engine.connect(pool.descriptor())
+    pool.connect(engine.descriptor().encode())
+
+    def put(keys, hold):
+        grant = pool.begin_put(engine.name, keys, hold)
+        if grant.block_ids:
+            t = engine.write(pool_name, grant.positions, grant.block_ids,
+                             transfer_id=grant.transfer_id)
+            engine.wait(t)
+            engine.release(t)
+        return pool.end_put(grant.transfer_id)
+
+    def stats(*names):
+        s = pool.stats()
+        return tuple(s[n] for n in names)
+    held = (b"h0", b"h1", RequestKey("r", 2))
+    try:
+        assert put(held, "r") == 3
+        assert stats("holds", "pinned", "request_blocks") == (1, 3, 1)
+        with pytest.raises(TransferError, match="no room"):  # held blocks are not evicted
+            put([b"x%d" % i for i in range(6)], "r2")
+        assert stats("holds", "pinned", "free") == (1, 3, 5)
+        pool.release("r")
+        assert stats("holds", "pinned", "request_blocks", "cached") == (0, 0, 0, 2)
+        with pytest.raises(TransferError, match="released"):  # a put its abort overtook
+            put(held, "r")
+        assert put([b"h0", b"h1", b"h2", RequestKey("q", 3)], "q") == 2  # h0, h1 cached
+        assert stats("holds", "pinned") == (1, 4)
+        time.sleep(0.6)                                     # past hold_s: it expires
+        assert stats("holds", "pinned", "request_blocks", "cached") == (0, 0, 0, 3)
+    finally:
+        pool.shutdown()
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_root):
+    return make_tiny_model("llama_gqa", tiny_model_root)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    colocated = [o.outputs[0].token_ids for o in LLM(tiny).generate(PROMPTS, GREEDY)]
+    assert colocated == hf_greedy(tiny, PROMPTS, GREEDY.max_tokens)
+    return colocated
+
+
+@pytest.fixture(scope="module", params=["nixl", "ucx", "ray"])
+def pooled(request, tiny):
+    # Two decoders on nixl, for the tests that read from another D or kill one.
+    client = start(tiny, request.param, num_decode=2 if request.param == "nixl" else 1)
+    yield client
+    shutdown(client)
+
+
+def test_pooled_equals_colocated_equals_hf(pooled, expected):
+    assert run_all(pooled, PROMPTS) == expected
+    stats = pool_stats(pooled)
+    assert stats["cached"] >= 6 and stats["block_bytes"] > 0  # the prompts' full blocks
+    assert_all_free(pooled)
+
+
+@pytest.mark.parametrize("pooled", ["nixl"], indirect=True)
+def test_shared_prefix_is_read_from_the_pool(pooled, tiny):
+    base = random.Random(5).sample(range(3, 500), 48)      # 3 full blocks nobody else has
+    first, second = base + [1, 2, 3], base + list(range(20, 40))  # 4 full blocks + a tail
+    want = [o.outputs[0].token_ids for o in LLM(tiny).generate([first, second], GREEDY)]
+    before = pool_stats(pooled)
+    assert asyncio.run(collect(pooled, "s0", first)).outputs[0].token_ids == want[0]
+    mid = pool_stats(pooled)
+    assert mid["cached"] - before["cached"] == 3     # its tail was dropped once D read it
+    # Another decoder, which has none of the prefix: it reads all 5 blocks from the pool,
+    # while P wrote only the 2 the pool lacked.
+    out = asyncio.run(collect(pooled, "s1", second, route=Route(1, 0)))
+    assert out.outputs[0].token_ids == want[1]
+    after = pool_stats(pooled)
+    assert after["hits"] - mid["hits"] == 5 and after["cached"] - mid["cached"] == 1
+    assert_all_free(pooled)
+
+
+@pytest.mark.parametrize("pooled", ["nixl"], indirect=True)
+def test_refused_put_recomputes_on_the_decoder(pooled, expected):
+    ray.get(pooled.prefill[0].fail_next_transfer.remote())
+    assert run_all(pooled, PROMPTS[:1], prefix="f") == expected[:1]
+    assert_all_free(pooled)
+
+
+@pytest.mark.parametrize("pooled", ["nixl"], indirect=True)
+def test_aborts_at_every_stage_free_every_pool(pooled):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def go():
+        tasks = [asyncio.create_task(collect(pooled, f"a{i}", list(range(5, 40 + 7 * i)),
+                                             params, Route(i % 2, 0))) for i in range(6)]
+        for task, delay in zip(tasks, (0.0, 0.005, 0.02, 0.05, 0.1, 0.3)):
+            await asyncio.sleep(delay)   # during prefill, the put, the read, or decode
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(go())
+    assert_all_free(pooled)
+
+
+# Last of the nixl tests (pytest keeps their order): it kills decoder 0.
+@pytest.mark.parametrize("pooled", ["nixl"], indirect=True)
+def test_killed_decoder_continues_on_another_and_frees_every_pool(pooled, tiny):
+    prompt = list(range(10, 50))
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    want = LLM(tiny).generate([prompt], params)[0].outputs[0].token_ids
+
+    async def kill_after_some(out):
+        if len(out.outputs[0].token_ids) == 20:
+            ray.kill(pooled.decode[0])
+    final = asyncio.run(collect(pooled, "k", prompt, params, Route(0, 0), kill_after_some))
+    assert final.outputs[0].token_ids == want
+    assert_all_free(pooled)
+
+
+def test_default_model_pooled_equals_colocated(default_model_dir):
+    prompt = list(range(100, 300))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    colocated = LLM(default_model_dir).generate([prompt], params)[0].outputs[0].token_ids
+    client = start(default_model_dir, "nixl")
+    try:
+        final = asyncio.run(collect(client, "d", prompt, params))
+        assert final.outputs[0].token_ids == colocated
+        assert_all_free(client)
+    finally:
+        shutdown(client)
