@@ -20,6 +20,7 @@ It also prefills short prompts itself (`generate`, conditional disaggregation an
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -51,6 +52,8 @@ class DecodingActor:
         self._dests: dict[str, KVDestination] = {}   # reservations, beside their leases
         self.kv_bytes, self.transfer_s = 0, 0.0
         self.kv_cache: PumpKVCacheClient | None = None  # pooled mode
+        # Recent requests' (id, decode called, KV landed): see PrefillActor.stages.
+        self.stages: collections.deque = collections.deque(maxlen=4096)
 
     async def reserve(self, request_id: str, prompt_ids: list[int],
                       params: SamplingParams) -> KVDestination | None:
@@ -88,6 +91,7 @@ class DecodingActor:
         if lease is None:
             raise RuntimeError(f"request {request_id!r} holds no KV reservation here (expired?)")
         lease.cancel()
+        called = time.monotonic()
         try:
             if result.pool_keys is None:
                 await self._connect(result)
@@ -101,8 +105,13 @@ class DecodingActor:
         except BaseException:
             self.loop.abort(request_id)
             raise
+        self.stages.append((request_id, called, time.monotonic()))
         async for out in self.loop.resume(request_id, result.token, result.logprobs):
             yield StreamDelta.of(out)
+
+    async def stage_times(self) -> list[tuple[str, float, float]]:
+        """(request id, decode called, KV landed) of recent requests."""
+        return list(self.stages)
 
     async def attach_kv_cache(self, kv_cache) -> None:
         """Pooled mode: read prompt KV from this DistributedKVCache actor (connects both ways)."""

@@ -22,6 +22,7 @@ put frees the pool's side and raises; the engine's blocks are freed either way.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from typing import Any
@@ -57,6 +58,9 @@ class PrefillActor:
         self._fail_next = 0
         self._releases: set[asyncio.Future] = set()
         self.kv_cache: PumpKVCacheClient | None = None  # pooled mode
+        # Recent requests' stage times (called, prefilled, destination known, KV landed),
+        # for diagnosing where a TTFT goes under load (bench/disagg_probe.py).
+        self.stages: collections.deque = collections.deque(maxlen=4096)
 
     def pool(self) -> bytes:
         return self.descriptor.encode()
@@ -81,9 +85,10 @@ class PrefillActor:
             return await self._prefill_into_kv_cache(request_id, prompt_ids, params)
         self.pusher.add(request_id)
         destination = asyncio.ensure_future(self._destination(request_id, dest[0]))
-        ok = False
+        ok, called = False, time.monotonic()
         try:
             last = await self._first_output(request_id, prompt_ids, params)
+            prefilled = time.monotonic()
             dest = await asyncio.wait_for(destination, self.timeout_s)
             if self._fail_next:
                 self._fail_next -= 1
@@ -92,6 +97,7 @@ class PrefillActor:
             ids = await asyncio.wait_for(asyncio.wrap_future(self.pusher.finish(request_id)),
                                          self.timeout_s)
             ok = True
+            self.stages.append((request_id, called, prefilled, start, time.monotonic()))
         finally:
             if not ok:
                 destination.cancel()
@@ -187,6 +193,10 @@ class PrefillActor:
         return {**self.loop.load(), "replica_id": self.replica_id,
                 "kv_bytes_transferred": self.kv_bytes, "kv_transfer_seconds": self.transfer_s,
                 "transport": self.descriptor.backend}
+
+    async def stage_times(self) -> list[tuple[str, float, float, float, float]]:
+        """(request id, called, prefilled, destination known, KV landed) of recent requests."""
+        return list(self.stages)
 
     async def timeline(self) -> list[tuple[str, int, float]]:
         """Per-layer (\"computed\" | \"posted\", layer, time) marks of the pusher."""
