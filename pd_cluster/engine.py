@@ -132,6 +132,8 @@ class LLMEngine:
         if req is None:
             return None
         req.drop_pending()
+        if not self.outputs.is_streaming(request_id):
+            return None   # its stream already ended (a prefill side's held request)
         return self.outputs.finalize(req)
 
     def has_unfinished(self) -> bool:

@@ -32,6 +32,9 @@ class OutputProcessor:
         stops = StopChecker([] if req.params.min_tokens else req.params.stop)
         self._streams[req.request_id] = _Stream(detok, stops)
 
+    def is_streaming(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def process(self, plan: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
                 sampler: Sampler) -> list[RequestOutput]:
         """Outputs of every request that got a token this step, finishing on stop strings."""

@@ -111,3 +111,22 @@ def test_layer_transfers_start_before_the_next_layer_finishes(default_model_dir)
         assert all(overlapped), overlapped
     finally:
         pair.close()
+
+
+def test_abort_of_a_held_request_frees_its_blocks(tiny_model_root):
+    """Prefill side: a request whose stream ended (first token out, KV held for the transfer)
+    can still be aborted; that frees its blocks and reports nothing more."""
+    from pd_cluster import LLM, SamplingParams
+    from tiny_models import make_tiny_model
+
+    engine = LLM(make_tiny_model("llama_gqa", tiny_model_root), block_size=4,
+                 num_kv_blocks=32).engine
+    rid = engine.add_request(list(range(3, 20)), SamplingParams(temperature=0, max_tokens=8),
+                             hold_kv=True)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finished and rid in engine.scheduler.holding
+    assert engine.kv.num_free_blocks < engine.kv.num_blocks
+    assert engine.abort(rid) is None
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
