@@ -94,11 +94,9 @@ class KVPusher:
             event = torch.cuda.Event()
             event.record()
         copies, step = self._step_copies, self._step
-        self.pump.call(lambda tr: self._post(tr, copies, layer_idx, step, event))
+        self.pump.call_after(event, lambda tr: self._post(tr, copies, layer_idx, step))
 
-    def _post(self, tr: KVTransport, copies, layer: int, step: int, event) -> None:
-        if event is not None:
-            event.synchronize()
+    def _post(self, tr: KVTransport, copies, layer: int, step: int) -> None:
         self.timeline.append(("posted", layer, time.monotonic()))
         for rid, first, last, local in copies:
             d = self.dests.get(rid)

@@ -2,10 +2,16 @@
 
 Transports are not thread-safe, and the two-sided ones (ray, ucx) only move bytes while someone
 calls `progress()`. So each actor gives its transport to a pump: other threads hand it work
-with `call()` and get futures back; the pump loop wakes on new work or every millisecond.
+with `call()` (or `call_after(event, ...)`: once a CUDA event has fired, e.g. a layer's KV is
+written) and get futures back. Commands run in the order they were given; the pump never
+blocks on one: a command whose event has not fired waits at the head of the line while the
+pump goes on progressing transfers and settling waits. (It used to block on the event, and
+under steady prefill load, with a layer's post always queued, it never got to noticing that
+earlier writes had landed: completions were seen seconds late.)
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -31,6 +37,7 @@ class TransportPump:
     def __init__(self, transport: KVTransport, name: str = "kv-pump", tick_s: float = 1e-3):
         self.transport = transport
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._line: collections.deque = collections.deque()   # (event, fn, future), in order
         self._waits: list[_Wait] = []
         self._tick_s = tick_s
         self._stop = threading.Event()
@@ -39,8 +46,12 @@ class TransportPump:
 
     def call(self, fn: Callable[[KVTransport], Any]) -> Future:
         """Run `fn(transport)` on the pump thread; the future holds its result or error."""
+        return self.call_after(None, fn)
+
+    def call_after(self, event: Any, fn: Callable[[KVTransport], Any]) -> Future:
+        """Like `call`, once `event` (a torch.cuda.Event, or None) has fired."""
         fut: Future = Future()
-        self._commands.put((fn, fut))
+        self._commands.put((event, fn, fut))
         return fut
 
     def wait_all(self, transfers: list[Transfer],
@@ -56,24 +67,37 @@ class TransportPump:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._commands.put((None, None))
+        self._commands.put((None, None, None))
         self._thread.join(timeout_s)
         self.transport.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            # While someone waits on a transfer, poll fast: its completion is on a TTFT path.
-            tick = self._tick_s / 5 if self._waits else self._tick_s
-            try:
-                fn, fut = self._commands.get(timeout=tick)
-                while True:
-                    if fn is not None:
-                        self._execute(fn, fut)
-                    fn, fut = self._commands.get_nowait()
-            except queue.Empty:
-                pass
+            # While someone waits on a transfer or a command on its event, poll fast: both are
+            # on a TTFT path.
+            busy = self._waits or self._line
+            self._take(self._tick_s / 5 if busy else self._tick_s)
+            while self._line:
+                event, fn, fut = self._line[0]
+                if event is not None and not event.query():
+                    break
+                self._line.popleft()
+                self._execute(fn, fut)
+                self.transport.progress()
+                self._settle()
             self.transport.progress()
             self._settle()
+
+    def _take(self, timeout: float) -> None:
+        """Move newly given commands into the line (waiting up to `timeout` for the first)."""
+        try:
+            item = self._commands.get(timeout=timeout)
+            while True:
+                if item[1] is not None:
+                    self._line.append(item)
+                item = self._commands.get_nowait()
+        except queue.Empty:
+            pass
 
     def _execute(self, fn: Callable, fut: Future) -> None:
         try:
