@@ -1,27 +1,43 @@
-"""Router overhead: HTTP round trip of a 1-token completion vs the engine replicas called
-directly through the same EngineClient, on the same Ray cluster; prints JSON.
+"""Router overhead: the HTTP round trip of a 1-token completion vs the same engine replicas
+called directly, interleaved on one deployment; prints JSON (and writes it with -o).
 
-    python bench/router_overhead.py [--config configs/pd.yaml] [--requests 50]
-                                    [--set mode=colocated] [--address auto]
+    python bench/router_overhead.py [--config configs/pd.yaml] [--requests 200]
+        [--set mode=colocated] [--max-seconds 170] [--http-port PORT] [-o out.json]
 
-Phase 1 starts the app's engine replicas from this driver (`router.app.start_client`) and
-times `EngineClient.generate` with max_tokens=1. Phase 2 releases them and deploys the
-whole application (`serve.run(build_app(args))`) on a free loopback port, then times POST
-/v1/completions with max_tokens=1 over one keep-alive connection. Requests are sequential,
-after warm-up, so the difference is the router's per-request cost (HTTP proxy, Serve handle,
-JSON, tokenization, routing, response), not queueing.
+One Serve application is deployed (`build_app(args)` on a free loopback port). Its router
+replica owns the engine replicas; the driver borrows a copy of the replica's EngineClient
+(the same actor handles) and calls `generate` itself. After warm-up, each round times, in
+rotating order so no path always follows the same one:
+
+    http     POST /v1/completions, max_tokens=1, over one keep-alive connection
+    direct   EngineClient.generate with the same token ids and sampling params; also timed
+             to its first output (direct_first: disaggregated, the prefill side's answer)
+    health   GET /health: the Serve floor (proxy → router replica → FastAPI, no engine)
+    ping     one actor call to the decode replica (`load`): the Ray round trip
+
+Requests are sequential, so differences are per-request costs, not queueing. Both paths see
+the same replicas, caches and machine noise; the paired difference (http − direct of one
+round) also cancels slow drifts. The run keeps to --max-seconds, start-up included: the
+deployment may take what is left of it, and rounds stop early when it runs out (the report
+says how many were done); each request has --request-timeout. A watchdog past that budget
+dumps every thread's stack and exits. RAY_SERVE_* variables in the environment reach the
+local Ray cluster the bench starts (they are recorded in the report).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import gc
 import http.client
 import json
+import math
+import os
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,96 +50,281 @@ sys.path.insert(0, str(ROOT))
 
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
-from router.app import (build_app, context_length, engine_config, model_dir,  # noqa: E402
-                        start_client)
-from router.app_config import AppConfig, replica_actor_options  # noqa: E402
+from router.app import build_app, model_dir  # noqa: E402
+from router.app_config import AppConfig  # noqa: E402
 from router.routing import RoutingInputs, make_policy  # noqa: E402
 
+APP = "pd"
 PROMPT = "The capital of France is"
-WARMUP = 5
-READY_TIMEOUT_S = 900.0
+PATHS = ("http", "direct", "health", "ping")
+SERIES = ("http", "direct", "direct_first", "health", "ping")
+WARMUP_ROUNDS = 5
+GC_EVERY = 20           # rounds between explicit collections (outside the timed requests)
+SHUTDOWN_S = 15         # kept from --max-seconds for stopping Serve and Ray
+WATCHDOG_GRACE_S = 60   # past the budget (and one request timeout): dump stacks and exit
 
 
-def summary(samples_s: list[float]) -> dict[str, float]:
+def _rank(ms: list[float], q: float) -> float:
+    """Nearest-rank quantile of sorted values."""
+    return ms[min(len(ms) - 1, max(0, math.ceil(q * len(ms)) - 1))]
+
+
+def summary(samples_s: list[float]) -> dict[str, float | int | None]:
     ms = sorted(1000 * s for s in samples_s)
-    return {"mean_ms": statistics.fmean(ms), "p50_ms": ms[len(ms) // 2],
-            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "min_ms": ms[0], "n": len(ms)}
+    if not ms:
+        return {"n": 0, "p50_ms": None}
+    stats = {"p50_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
+             "p10_ms": _rank(ms, 0.1), "p90_ms": _rank(ms, 0.9), "p99_ms": _rank(ms, 0.99),
+             "min_ms": ms[0], "max_ms": ms[-1]}
+    return {"n": len(ms), **{k: round(v, 3) for k, v in stats.items()}}
 
 
-async def time_direct(args: dict[str, Any], n: int) -> list[float]:
-    config = AppConfig.from_args(args)
-    resources = ray.cluster_resources()
-    options = {role: replica_actor_options(config, role, resources)
-               for role in ("prefill", "decode")}
-    path = model_dir(config)
-    ids = load_tokenizer(path).encode(PROMPT)
-    client = start_client(config, engine_config(config, context_length(config, path)), options)
-    await client.wait_ready(READY_TIMEOUT_S)
-    policy = make_policy(config.routing.policy, RoutingInputs(
-        config.num_prefill, config.num_decode, config.block_size, config.routing.prefill_weight,
-        config.conditional_disagg_threshold))
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    samples = []
-    for i in range(WARMUP + n):
+def overhead(http: list[float], direct: list[float]) -> dict[str, float | None]:
+    """http − direct in ms: of the p50s and of the means; the paired differences (one round's
+    http − direct) by median, p10 and p90."""
+    if not http or not direct:
+        return {"p50": None, "paired_median": None, "mean": None}
+    paired = sorted(1000 * (h - d) for h, d in zip(http, direct))
+    stats = {"p50": 1000 * (statistics.median(http) - statistics.median(direct)),
+             "paired_median": statistics.median(paired), "paired_p10": _rank(paired, 0.1),
+             "paired_p90": _rank(paired, 0.9),
+             "mean": 1000 * (statistics.fmean(http) - statistics.fmean(direct))}
+    return {k: round(v, 3) for k, v in stats.items()}
+
+
+def deploy(args: dict[str, Any], port: int, timeout_s: float) -> None:
+    """Deploy the app without blocking, then wait for RUNNING (raise on failure or timeout)."""
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run_many([serve.RunTarget(build_app(args), name=APP, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False,
+                   wait_for_applications_running=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(APP)
+        status = str(app.status) if app else "NOT_STARTED"
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
+            raise RuntimeError(f"the app failed to deploy: {app.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the app is not running after {timeout_s:g} s ({status})")
+        time.sleep(1)
+
+
+def _replica_client(replica: Any) -> Any:
+    """Runs in the router replica: the EngineClient its OpenAIServing calls, found by a walk
+    through attributes from the replica actor (no Serve internals named; gc.get_objects would
+    miss it, Serve freezes the startup objects); it comes back as a copy with the same handles."""
+    from router.serving import OpenAIServing
+    seen, frontier = set(), [replica]
+    for _ in range(8):
+        found = [o for o in frontier if isinstance(o, OpenAIServing)]
+        if found:
+            return found[0].client
+        nxt = []
+        for obj in frontier:
+            for value in getattr(obj, "__dict__", {}).values():
+                if id(value) not in seen and hasattr(value, "__dict__"):
+                    seen.add(id(value))
+                    nxt.append(value)
+        frontier = nxt
+    raise RuntimeError("no OpenAIServing found in the router replica")
+
+
+def borrow_client(timeout_s: float) -> Any:
+    """A copy of the router replica's EngineClient: its engine actors, called from here."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{APP}#")]
+    if len(names) != 1:
+        raise RuntimeError(f"expected one router replica, found {names}")
+    replica = ray.get_actor(names[0], namespace="serve")
+    if __name__ != "__main__":   # imported: the replica cannot import this file, so ship it
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return ray.get(replica.__ray_call__.remote(_replica_client), timeout=timeout_s)
+
+
+class HTTPPath:
+    """Timed requests over one keep-alive connection (the standard library's client, so no
+    third-party HTTP stack is in the timing); a connection the server dropped is reopened
+    and the request repeated, untimed until it succeeds."""
+
+    def __init__(self, port: int, body: dict[str, Any], timeout_s: float) -> None:
+        self.port, self.timeout_s = port, timeout_s
+        self.payload = json.dumps(body)
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+
+    def _request(self, method: str, path: str) -> None:
+        body = self.payload if method == "POST" else None
+        self.conn.request(method, path, body, {"Content-Type": "application/json"})
+        resp = self.conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from {path}: {data[:500]!r}")
+
+    def timed(self, method: str, path: str) -> float:
+        for _ in range(2):
+            start = time.perf_counter()
+            try:
+                self._request(method, path)
+                return time.perf_counter() - start
+            except (http.client.RemoteDisconnected, ConnectionError):
+                self.conn.close()
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port,
+                                                       timeout=self.timeout_s)
+        raise RuntimeError(f"the router dropped the connection twice on {path}")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class DirectPath:
+    """Timed EngineClient.generate calls, routed as the router would, each bounded."""
+
+    def __init__(self, client: Any, config: AppConfig, ids: list[int], timeout_s: float):
+        self.client, self.ids, self.timeout_s = client, ids, timeout_s
+        self.policy = make_policy(config.routing.policy, RoutingInputs(
+            config.num_prefill, config.num_decode, config.block_size,
+            config.routing.prefill_weight, config.conditional_disagg_threshold))
+        self.params = SamplingParams(temperature=0.0, max_tokens=1)
+        self.ping_actor = (getattr(client, "decode", None) or client.actors)[0]
+        self.count = 0
+
+    async def _generate(self, start: float) -> dict[str, float]:
+        self.count += 1
+        stream = self.client.generate(f"direct-{self.count}", self.ids, self.params,
+                                      self.policy.route(self.ids))
+        first = None
+        try:
+            async for out in stream:
+                first = first or time.perf_counter() - start
+                if out.finished and out.outputs[0].finish_reason == "error":
+                    raise RuntimeError(f"the engine failed the request: {out.error}")
+        finally:
+            await stream.aclose()
+        return {"direct": time.perf_counter() - start, "direct_first": first}
+
+    async def timed(self) -> dict[str, float]:
+        """The whole request, and its first output (disaggregated: the prefill side's)."""
+        return await asyncio.wait_for(self._generate(time.perf_counter()), self.timeout_s)
+
+    async def ping(self) -> dict[str, float]:
         start = time.perf_counter()
-        async for _ in client.generate(f"direct-{i}", ids, params, policy.route(ids)):
-            pass
-        samples.append(time.perf_counter() - start)
-    return samples[WARMUP:]
+        await asyncio.wait_for(self.ping_actor.load.remote(), self.timeout_s)
+        return {"ping": time.perf_counter() - start}
 
 
-def time_http(args: dict[str, Any], n: int) -> list[float]:
+async def measure(http_path: HTTPPath, direct: DirectPath, rounds: int,
+                  deadline: float) -> tuple[dict[str, list[float]], float]:
+    """Warm-up, then up to `rounds` rounds of every path in rotating order, until the
+    monotonic `deadline`. Returns the samples per series and the measuring time."""
+    timers: dict[str, Callable[[], Any]] = {
+        "http": lambda: {"http": http_path.timed("POST", "/v1/completions")},
+        "direct": direct.timed,
+        "health": lambda: {"health": http_path.timed("GET", "/health")},
+        "ping": direct.ping,
+    }
+
+    async def run(name: str) -> dict[str, float]:
+        result = timers[name]()
+        return await result if asyncio.iscoroutine(result) else result
+
+    for _ in range(WARMUP_ROUNDS):
+        for name in PATHS:
+            await run(name)
+    samples: dict[str, list[float]] = {name: [] for name in SERIES}
+    gc.collect()
+    gc.disable()   # collections come between rounds, not inside a timed request
+    start = time.monotonic()
+    try:
+        for i in range(rounds):
+            if time.monotonic() > deadline:
+                break
+            order = PATHS[i % len(PATHS):] + PATHS[:i % len(PATHS)]
+            for name in order:
+                for series, seconds in (await run(name)).items():
+                    samples[series].append(seconds)
+            if i % GC_EVERY == GC_EVERY - 1:
+                gc.collect()
+    finally:
+        gc.enable()
+    return samples, time.monotonic() - start
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="pd", route_prefix="/")
-    body = {"model": args.get("model", "default"), "prompt": PROMPT, "max_tokens": 1,
-            "temperature": 0}
-    samples = []
-    # The standard library's keep-alive client: no third-party HTTP stack in the timing.
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    payload = json.dumps(body)
-    for _ in range(WARMUP + n):
-        start = time.perf_counter()
-        conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status} from the router")
-        samples.append(time.perf_counter() - start)
-    conn.close()
-    serve.shutdown()
-    return samples[WARMUP:]
+        return s.getsockname()[1]
+
+
+def run_bench(args: dict[str, Any], opts: argparse.Namespace, deadline: float
+              ) -> dict[str, Any]:
+    config = AppConfig.from_args(args)
+    port = free_port()
+    t0 = time.monotonic()
+    deploy(args, port, deadline - t0)
+    started_s = time.monotonic() - t0
+    client = borrow_client(opts.request_timeout)
+    ids = load_tokenizer(model_dir(config)).encode(PROMPT)
+    body = {"model": config.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    http_path = HTTPPath(opts.http_port or port, body, opts.request_timeout)
+    try:
+        samples, measured_s = asyncio.run(measure(
+            http_path, DirectPath(client, config, ids, opts.request_timeout),
+            opts.requests, deadline))
+    finally:
+        http_path.close()
+    rounds = len(samples["http"])
+    report = {"requests": opts.requests, "rounds": rounds, "complete": rounds == opts.requests,
+              "http_target": f"port {opts.http_port}" if opts.http_port else "serve proxy",
+              "serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
+              "prompt_tokens": len(ids), "start_s": round(started_s, 1),
+              "measure_s": round(measured_s, 1),
+              **{name: summary(samples[name]) for name in SERIES},
+              "overhead_ms": overhead(samples["http"], samples["direct"])}
+    if opts.raw:
+        report["samples_ms"] = {k: [round(1000 * s, 3) for s in v] for k, v in samples.items()}
+    return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "pd.yaml"))
-    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--requests", type=int, default=200, help="measured rounds")
+    parser.add_argument("--max-seconds", type=float, default=170.0,
+                        help="budget of the whole run, start-up included")
+    parser.add_argument("--request-timeout", type=float, default=30.0)
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="send HTTP here instead of to the Serve proxy (e.g. the router "
+                             "replica's own port under RAY_SERVE_ENABLE_DIRECT_INGRESS=1)")
     parser.add_argument("--address", default=None, help="Ray address (default: start one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
                         help="override an app arg, e.g. --set mode=colocated")
+    parser.add_argument("--raw", action="store_true", help="include every sample")
+    parser.add_argument("-o", "--output", default=None, help="also write the JSON here")
     opts = parser.parse_args()
     args = yaml.safe_load(Path(opts.config).read_text())["applications"][0]["args"]
     for item in opts.set:
         key, value = item.split("=", 1)
         args[key] = yaml.safe_load(value)
     args.pop("api_key_env", None)          # the bench talks to its own app, without a key
+    deadline = time.monotonic() + opts.max_seconds - SHUTDOWN_S
+    # Past the budget, one request timeout and a grace, something hangs: show where, stop.
+    faulthandler.dump_traceback_later(opts.max_seconds + opts.request_timeout
+                                      + WATCHDOG_GRACE_S, exit=True)
     ray.init(address=opts.address or "local", namespace="serve", log_to_driver=False)
     try:
-        direct = asyncio.run(time_direct(args, opts.requests))
-        gc.collect()                      # release the phase-1 replicas (owned by this driver)
-        time.sleep(5)
-        http = time_http(args, opts.requests)
+        report = run_bench(args, opts, deadline)
     finally:
+        if opts.address:
+            serve.delete(APP)          # leave a shared cluster as it was
         ray.shutdown()
-    d, h = summary(direct), summary(http)
+    faulthandler.cancel_dump_traceback_later()
     config = Path(opts.config).resolve()
     shown = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
-    print(json.dumps({"config": str(shown), "args": args, "direct": d, "http": h,
-                      "overhead_ms": {"mean": h["mean_ms"] - d["mean_ms"],
-                                      "p50": h["p50_ms"] - d["p50_ms"]}}, indent=2))
+    text = json.dumps({"config": str(shown), "args": args, **report}, indent=2)
+    if opts.output:
+        Path(opts.output).write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

@@ -72,21 +72,23 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.model = model
         r, m = self.registry, ("model",)
+        # The model label is fixed per router: these series are bound to it once (`labels()`
+        # takes a lock and builds a key per call, and ITL is observed once per token).
         self.ttft = Histogram("pd_time_to_first_token_seconds", "Time to first token.", m,
-                              registry=r, buckets=_TTFT_BUCKETS)
+                              registry=r, buckets=_TTFT_BUCKETS).labels(model)
         self.tpot = Histogram("pd_time_per_output_token_seconds", "Mean time per output "
                               "token after the first, per request.", m, registry=r,
-                              buckets=_TOKEN_BUCKETS)
+                              buckets=_TOKEN_BUCKETS).labels(model)
         self.itl = Histogram("pd_inter_token_latency_seconds", "Time between two outputs "
-                             "of a request.", m, registry=r, buckets=_TOKEN_BUCKETS)
+                             "of a request.", m, registry=r, buckets=_TOKEN_BUCKETS).labels(model)
         self.e2e = Histogram("pd_e2e_request_latency_seconds", "Arrival to last token.", m,
-                             registry=r, buckets=_E2E_BUCKETS)
+                             registry=r, buckets=_E2E_BUCKETS).labels(model)
         self.finished = Counter("pd_request_success", "Engine requests finished, by "
                                 "finish reason.", ("model", "finish_reason"), registry=r)
         self.prompt_tokens = Counter("pd_prompt_tokens", "Prompt tokens received.", m,
-                                     registry=r)
+                                     registry=r).labels(model)
         self.generation_tokens = Counter("pd_generation_tokens", "Tokens generated.", m,
-                                         registry=r)
+                                         registry=r).labels(model)
         self.decisions = Counter("pd_disagg_decisions", "Routing decisions: prefill on a "
                                  "prefill replica (remote) or on the decode replica (local).",
                                  ("decision",), registry=r)
@@ -119,18 +121,18 @@ class RequestTimer:
         self.last: float | None = None
 
     def output(self) -> None:
-        now, model = time.perf_counter(), self.metrics.model
+        now = time.perf_counter()
         if self.first is None:
             self.first = now
-            self.metrics.ttft.labels(model).observe(now - self.start)
+            self.metrics.ttft.observe(now - self.start)
         else:
-            self.metrics.itl.labels(model).observe(now - self.last)
+            self.metrics.itl.observe(now - self.last)
         self.last = now
 
     def finish(self, finish_reason: str, num_tokens: int) -> None:
-        now, model = time.perf_counter(), self.metrics.model
-        self.metrics.e2e.labels(model).observe(now - self.start)
-        self.metrics.finished.labels(model, finish_reason).inc()
-        self.metrics.generation_tokens.labels(model).inc(num_tokens)
+        now, metrics = time.perf_counter(), self.metrics
+        metrics.e2e.observe(now - self.start)
+        metrics.finished.labels(metrics.model, finish_reason).inc()
+        metrics.generation_tokens.inc(num_tokens)
         if self.first is not None and num_tokens > 1:
-            self.metrics.tpot.labels(model).observe((now - self.first) / (num_tokens - 1))
+            metrics.tpot.observe((now - self.first) / (num_tokens - 1))

@@ -134,7 +134,7 @@ class OpenAIServing:
                      prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
                      fmt: Formatter) -> Body:
         jobs = self._jobs(req, prompts, max_tokens, logprobs, fmt.request_id)
-        self.metrics.prompt_tokens.labels(self.config.model).inc(sum(map(len, prompts)))
+        self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         self.admission.acquire(len(jobs))
         outputs = self._outputs(jobs)
         try:

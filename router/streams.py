@@ -42,14 +42,44 @@ class Admission:
         self.metrics.queued.set(max(0, in_flight - self.capacity))
 
 
-async def merge(streams: Sequence[AsyncIterator[T]], timeout_s: float
-                ) -> AsyncIterator[tuple[int, T]]:
+def merge(streams: Sequence[AsyncIterator[T]], timeout_s: float
+          ) -> AsyncIterator[tuple[int, T]]:
     """Items of all `streams` as they come, tagged with the stream's index.
 
     The first error of any stream is raised; TimeoutError once `timeout_s` have passed in
-    all. Leaving early (error, break, cancellation) cancels every stream still running, which
+    all. Leaving early (error, break, cancellation) closes every stream still running, which
     makes them abort their engine requests.
     """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    if len(streams) == 1:   # one prompt, n = 1: the usual request needs no pump task nor queue
+        return _single(streams[0], deadline, timeout_s)
+    return _interleaved(streams, deadline, timeout_s)
+
+
+def _left(deadline: float, timeout_s: float) -> float:
+    """Seconds left until `deadline` (TimeoutError when none)."""
+    left = deadline - asyncio.get_running_loop().time()
+    if left <= 0:
+        raise TimeoutError(f"streams did not finish within {timeout_s:g} s")
+    return left
+
+
+async def _single(stream: AsyncIterator[T], deadline: float, timeout_s: float
+                  ) -> AsyncIterator[tuple[int, T]]:
+    try:
+        while True:
+            left = _left(deadline, timeout_s)
+            try:
+                item = await asyncio.wait_for(anext(stream), left)
+            except StopAsyncIteration:
+                return
+            yield 0, item
+    finally:
+        await stream.aclose()
+
+
+async def _interleaved(streams: Sequence[AsyncIterator[T]], deadline: float, timeout_s: float
+                       ) -> AsyncIterator[tuple[int, T]]:
     queue: asyncio.Queue[tuple[int, T | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[T]) -> None:
@@ -61,16 +91,12 @@ async def merge(streams: Sequence[AsyncIterator[T]], timeout_s: float
             return
         queue.put_nowait((i, None, None))
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         running = len(tasks)
         while running:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError(f"streams did not finish within {timeout_s:g} s")
-            i, item, error = await asyncio.wait_for(queue.get(), remaining)
+            left = _left(deadline, timeout_s)
+            i, item, error = await asyncio.wait_for(queue.get(), left)
             if error is not None:
                 raise error
             if item is None:
