@@ -60,7 +60,7 @@ def main() -> None:
         "batch": args.batch, "running": len(engine.scheduler.running),
         "context": args.context, "wall_ms": wall * 1e3,
         "gpu_kernel_ms": kernel_us / 1e3, "step_call_ms": host / args.steps * 1e3,
-        "async_scheduling": engine.config.async_scheduling,
+        "async_scheduling": engine.async_scheduling,
         "top_kernels": [{"name": e.key[:80], "ms_per_step": e.self_device_time_total
                          / args.steps / 1e3, "calls_per_step": e.count / args.steps}
                         for e in top]}, indent=1))

@@ -91,7 +91,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"       # auto | torch | triton
     cuda_graphs: bool = True
-    async_scheduling: bool = True         # plan and launch step k+1 before step k's tokens are read
+    # Plan and launch step k+1 before step k's tokens are read. None: on a GPU only (on a CPU
+    # the "launch" computes the step, so each output would wait one more step for nothing).
+    async_scheduling: bool | None = None
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -41,6 +41,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._in_flight: LaunchedStep | None = None   # launched, tokens not yet recorded
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
 
     @property
     def kv_cache(self):
@@ -158,7 +160,7 @@ class LLMEngine:
         if launched is not None:
             self.scheduler.advance(plan)
             self._in_flight = launched
-            if listener is not None or not self.config.async_scheduling:
+            if listener is not None or not self.async_scheduling:
                 outputs += self._report(launched)
                 self._in_flight = None
         return outputs
