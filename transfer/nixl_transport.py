@@ -26,14 +26,18 @@ class NixlTransport(KVTransport):
 
     def __init__(self, name: str | None = None, **kwargs):
         super().__init__(name, **kwargs)
-        # A progress thread lets transfers advance while the owner computes (e.g. the next
-        # layer's prefill), which is what overlaps transfer with compute.
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.agent = None   # made at register(), once we know which memory it moves
         self._reg = self._local = None
         self._remote: dict[str, object] = {}  # peer → its prepped descriptor list
         self._stuck: list = []
 
     def _register(self, kv: torch.Tensor) -> None:
+        # GPU pools: NIXL's progress thread advances transfers while the owner computes (the
+        # next layer's prefill). Host pools: that thread spins a core even when idle, which
+        # starves the engines on a small CPU machine; the owner's pump progresses the agent
+        # often enough (every check and notification poll does).
+        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=kv.is_cuda,
+                                                             backends=["UCX"]))
         self._reg = self.agent.register_memory(kv)
         self._mem = "VRAM" if kv.is_cuda else "DRAM"
         self._local = self._prep("NIXL_INIT_AGENT", self.layout, kv.data_ptr(),
@@ -130,11 +134,15 @@ class NixlTransport(KVTransport):
         self.agent.send_notif(peer, msg.encode())
 
     def _recv(self) -> list[bytes]:
+        if self.agent is None:
+            return []
         if self._stuck:
             self._retire_stuck()
         return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
 
     def _close(self) -> None:
+        if self.agent is None:
+            return
         deadline = time.monotonic() + self.timeout_s
         while not self._retire_stuck() and time.monotonic() < deadline:
             time.sleep(1e-3)
