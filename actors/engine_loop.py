@@ -182,19 +182,24 @@ class EngineLoop:
     def _apply_commands(self) -> None:
         while self._commands:
             command = self._commands.popleft()
-            if isinstance(command, _Abort):
-                out = self.engine.abort(command.request_id)
-                if out is not None:
-                    self._deliver(command.request_id, out)
-                continue
-            if isinstance(command, _Call):
-                self._run_call(command)
-                continue
-            if isinstance(command, _Resume):
-                self._resume(command)
-                continue
-            if command.request_id not in self._sinks:
-                continue          # its consumer left before the engine saw it
+            try:
+                self._apply(command)
+            except Exception as e:  # noqa: BLE001 - one bad command must not kill the thread
+                logger.exception("engine command failed")
+                rid = getattr(command, "request_id", None)
+                if rid is not None:
+                    self._deliver(rid, EngineFailed(f"engine command failed: {e!r}"))
+
+    def _apply(self, command: _Add | _Abort | _Resume | _Call) -> None:
+        if isinstance(command, _Abort):
+            out = self.engine.abort(command.request_id)
+            if out is not None:
+                self._deliver(command.request_id, out)
+        elif isinstance(command, _Call):
+            self._run_call(command)
+        elif isinstance(command, _Resume):
+            self._resume(command)
+        elif command.request_id in self._sinks:   # else its consumer left before we saw it
             try:
                 self.engine.add_request(command.prompt_ids, command.params, command.request_id,
                                         hold_kv=command.hold_kv)
