@@ -24,11 +24,9 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.models import dummy_model_dir  # noqa: E402
-from bench.pd_bench import VOCAB, prompt  # noqa: E402
+from bench.pd_bench import VOCAB, prompt, start_engines  # noqa: E402
 from pd_cluster.config import ModelConfig  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
-from router.app import engine_config, start_client  # noqa: E402
-from router.app_config import AppConfig  # noqa: E402
 from router.routing import Route  # noqa: E402
 
 
@@ -77,14 +75,8 @@ def main() -> None:
     model = args.model or dummy_model_dir()
     VOCAB[0] = ModelConfig.from_dir(model).vocab_size
     ray.init(log_to_driver=False)
-    cfg = AppConfig.from_args({
-        "model": model, "load_format": "dummy", "dtype": "bfloat16" if args.gpus_per_actor
-        else "float32", "mode": "disaggregated", "num_prefill": 1, "num_decode": 1,
-        "transport": args.transport, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
-        "max_model_len": 4096, "limits": {"max_tokens": 4096}})
-    opts = {role: {"num_gpus": args.gpus_per_actor, "num_cpus": 0}
-            for role in ("prefill", "decode")}
-    client = start_client(cfg, engine_config(cfg, 4096), opts)
+    client = start_engines("disaggregated", model, "bfloat16" if args.gpus_per_actor
+                           else "float32", args.transport, args.gpus_per_actor, 2048)
 
     async def go() -> dict:
         await client.wait_ready(600)

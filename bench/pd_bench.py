@@ -70,15 +70,22 @@ async def decode_throughput(client, route: Route, batch: int, prompt_len: int,
             "output_tok_s": inside / (end - start) if end > start else None}
 
 
-def run(mode: str, args) -> dict:
+def start_engines(mode: str, model: str, dtype: str, transport: str, gpus_per_actor: float,
+                  max_num_batched_tokens: int):
+    """1 P + 1 D (or one colocated engine) of a dummy model, started from this driver."""
     cfg = AppConfig.from_args({
-        "model": args.model or dummy_model_dir(), "load_format": "dummy", "dtype": args.dtype,
-        "mode": mode, "num_prefill": 1 if mode != "colocated" else 0, "num_decode": 1,
-        "transport": args.transport, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
-        "max_model_len": 4096, "limits": {"max_tokens": 4096}})
-    opts = {role: {"num_gpus": args.gpus_per_actor, "num_cpus": 0}
-            for role in ("prefill", "decode")}
-    client = start_client(cfg, engine_config(cfg, 4096), opts)
+        "model": model, "load_format": "dummy", "dtype": dtype, "mode": mode,
+        "num_prefill": 1 if mode != "colocated" else 0, "num_decode": 1,
+        "transport": transport, "max_num_seqs": 256,
+        "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": 4096,
+        "limits": {"max_tokens": 4096}})
+    opts = {role: {"num_gpus": gpus_per_actor, "num_cpus": 0} for role in ("prefill", "decode")}
+    return start_client(cfg, engine_config(cfg, 4096), opts)
+
+
+def run(mode: str, args) -> dict:
+    client = start_engines(mode, args.model or dummy_model_dir(), args.dtype, args.transport,
+                           args.gpus_per_actor, 8192)
 
     async def go() -> dict:
         await client.wait_ready(600)
