@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +18,10 @@ import pytest
 
 from pd_cluster.tuning.profile import DECODE_FEATURES, PREFILL_FEATURES, LatencyModel, Profile
 
+from bench import serving_sweep
+from bench.serving_app import RECORD_COLUMNS, Deployment, app_args
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import serving_sweep  # noqa: E402
-from serving_sweep import RECORD_COLUMNS, Deployment, app_args  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 slow = pytest.mark.skipif(bool(os.environ.get("PD_SKIP_SLOW_TESTS")),

@@ -1,0 +1,176 @@
+"""`validate`: `pd-cluster tune`'s recommendation at a rate against `pd-cluster bench` at that
+rate (see serving_sweep.py for the commands)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pd_cluster.cli import main as pd_cluster  # noqa: E402
+from pd_cluster.tuning.slo import SLO  # noqa: E402
+from pd_cluster.tuning.workload import Workload  # noqa: E402
+from bench.serving_app import (  # noqa: E402
+    app_args, bench, compact, Deployment, kv_capacity, lifetime, point_stats, quantile_name,
+    run_header, serving, slo_of, wait_idle, warm_up, whole_run, write_json)
+
+VALIDATE_DEFINITIONS = {
+    "percentiles": "numpy percentiles over the measured requests, in the simulator and here",
+    "tpot": "both: (last token - first token) / (output tokens - 1)",
+    "ttft": "simulator: arrival to the end of the prefill step of the last prompt chunk; it "
+            "leaves out the KV transfer, the router (HTTP, tokenization, routing) and the "
+            "first token's way to the client, which bench's TTFT (send to first text) holds",
+    "tpot_difference": "the simulator's first token is at the end of prefill, so its TPOT holds "
+                       "the KV transfer and the wait to join the decode batch, which bench's "
+                       "TTFT holds instead",
+    "goodput": "both: SLO attainment of the measured requests x offered rate, 0 when the "
+               "attainment is below the SLO percentile (`tune --rate`); bench's own goodput "
+               "(met / first send to last completion) is in measured.whole_run",
+    "warm_up": "both: ceil(rate x L) requests before and after the measured ones, L = TTFT SLO "
+               "+ (longest output - 1) x TPOT SLO; the measured ones are the middle slice",
+    "step_times": "simulator: the profile's fitted in-process engine steps; served steps also "
+                  "pay the engine actors', Ray's and the router's per-token work (diagnosis)",
+}
+
+
+def validate(opts: argparse.Namespace) -> int:
+    from pd_cluster.tuning.profile import Profile
+    from router.app_config import AppConfig
+
+    profile = Profile.load(opts.profile)
+    slo, base = slo_of(opts), app_args(opts.set)
+    opts.timeout = opts.timeout or 2 * lifetime(opts, slo) + 5
+    engine = AppConfig.from_args(base)
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {**run_header(opts, base, slo), "profile": Path(opts.profile).name,
+              "tolerance": opts.tolerance, "definitions": VALIDATE_DEFINITIONS, "points": []}
+    plans: dict[Deployment, list[tuple[int, dict]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, rate in enumerate(float(r) for r in opts.rates.split(",")):
+            predicted = predict(opts, engine, rate, Path(tmp) / f"r{rate:g}")
+            # A seed per rate: the same prompts again would be served from the prefix cache.
+            plans.setdefault(Deployment.parse(predicted["config"]), []).append(
+                (opts.seed + k + 1, predicted))
+            if not (out / "tune_goodput_per_gpu.png").exists():
+                shutil.copy(Path(tmp) / f"r{rate:g}" / "goodput_per_gpu.png",
+                            out / "tune_goodput_per_gpu.png")
+    for dep, predictions in plans.items():          # each recommended config started once
+        try:
+            with serving({**base, **dep.args()}, opts) as url:
+                capacity = kv_capacity(url, engine.block_size)
+                warm_up(url, opts)
+                for seed, predicted in predictions:
+                    print(f"{dep}: rate {predicted['rate']:g} req/s", flush=True)
+                    measured = measure_like_tune(url, opts, slo, predicted["rate"], seed)
+                    result["points"].append({**compare(predicted, measured, opts.tolerance,
+                                                               slo, profile),
+                                             "config": str(dep), "rate": predicted["rate"],
+                                             "served_kv_capacity_tokens": capacity})
+                    write_json(result, out / "validate.json")
+                    wait_idle(url)
+        except Exception as e:  # noqa: BLE001 - record it and go on with the next config
+            result.setdefault("errors", []).append(f"{dep}: {type(e).__name__}: {e}")
+            print(result["errors"][-1], file=sys.stderr)
+        write_json(result, out / "validate.json")
+    return 0 if result["points"] and all(p["pass"] for p in result["points"]) else 1
+
+
+def predict(opts: argparse.Namespace, engine, rate: float, out: Path) -> dict:
+    """`pd-cluster tune` at `rate`: its recommendation and, from a second run over the same
+    simulated requests judged at p50, that configuration's medians."""
+    def tune(percentile: str, where: Path) -> dict:
+        extra = ["--kv-capacity-tokens", str(opts.kv_capacity_tokens)] \
+            if opts.kv_capacity_tokens else []
+        extra += ["--no-colocated"] if opts.no_colocated else []
+        pd_cluster(["tune", "--profile", opts.profile, "--input-len", opts.input_len,
+                    "--output-len", opts.output_len, "--rate", f"{rate:g}",
+                    "--ttft-slo", opts.ttft_slo, "--tpot-slo", opts.tpot_slo,
+                    "--slo-percentile", percentile, "--gpus", str(opts.gpus),
+                    "--kv-bandwidth", opts.kv_bandwidth,
+                    "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+                    "--max-num-seqs", str(engine.max_num_seqs),
+                    "--num-requests", str(opts.tune_requests), "--seed", str(opts.seed),
+                    "-o", str(where), "--quiet", *extra])
+        if not (where / "results.json").exists():
+            raise RuntimeError(f"pd-cluster tune wrote no results in {where}")
+        return json.loads((where / "results.json").read_text())
+
+    main = tune(opts.slo_percentile, out)
+    best = main["results"][0]
+    median = next(r for r in tune("p50", out / "p50")["results"] if r["config"] == best["config"])
+    q = quantile_name(slo_of(opts))
+    return {"config": str(Deployment(best["num_prefill"], best["num_decode"])),
+            "tune_config": best["config"], "rate": rate,
+            "ttft_p50": median["ttft"], f"ttft_{q}": best["ttft"],
+            "tpot_p50": median["tpot"], f"tpot_{q}": best["tpot"],
+            "slo_attainment": best["attainment"], "goodput": best["goodput"],
+            "goodput_per_gpu": best["goodput_per_gpu"], "limits": main["limits"],
+            "tune_table": (out / "table.txt").read_text(), "tune_results": main["results"]}
+
+
+def measure_like_tune(url: str, opts: argparse.Namespace, slo: SLO, rate: float,
+                      seed: int) -> dict:
+    """Bench at `rate` with tune's warm-up and cool-down; numbers of the middle slice."""
+    probe = Workload.from_args(None, opts.input_len, opts.output_len).sample(
+        opts.tune_requests, np.random.default_rng(opts.seed))      # tune's first draw
+    pad = math.ceil(rate * (slo.ttft + (max(o for _, o in probe) - 1) * slo.tpot))
+    report = bench(url, opts, ["--rate", f"{rate:g}"], opts.requests + 2 * pad, seed)
+    inside = report["records"][pad:pad + opts.requests]
+    point = point_stats(inside, rate, max(inside[-1]["start"] - inside[0]["start"], 1e-9), slo)
+    ok = [r for r in inside if r["ok"]]
+    for name, values in (("ttft", [r["ttft"] for r in ok]),
+                         ("tpot", [r["tpot"] for r in ok if r["output_tokens"] > 1])):
+        for q in (50, slo.percentile):
+            point[f"{name}_p{q:g}"] = float(np.percentile(values, q)) if values else None
+    mean = (lambda xs: float(np.mean(xs)) if xs else 0.0)  # noqa: E731
+    return {**point, "goodput": point["goodput"] if point["slo_attained"] else 0.0,
+            "warm_up_requests": pad, "mean_decode_s": mean([r["e2e"] - r["ttft"] for r in ok]),
+            "mean_prompt_tokens": mean([r["prompt_tokens"] or r["input_len"] for r in ok]),
+            "mean_output_tokens": mean([r["output_tokens"] for r in ok]),
+            "whole_run": whole_run(report), "records": compact(inside)}
+
+
+def compare(predicted: dict, measured: dict, tolerance: float, slo: SLO, profile) -> dict:
+    """Relative errors (measured - predicted) / predicted; pass when all are within tolerance."""
+    checks = {}
+    for name in ("ttft_p50", f"ttft_{quantile_name(slo)}", "tpot_p50", f"tpot_{quantile_name(slo)}", "goodput"):
+        p, m = predicted[name], measured[name]
+        err = None if p is None or m is None else \
+            (m - p) / p if p else (0.0 if m == 0 else math.inf)
+        checks[name] = {"predicted": p, "measured": m,
+                        "relative_error": None if err is None or math.isinf(err) else err,
+                        "within": err is not None and abs(err) <= tolerance}
+    return {"pass": all(c["within"] for c in checks.values()), "checks": checks,
+            "slo_attainment": {"predicted": predicted["slo_attainment"],
+                               "measured": measured["slo_attainment"]},
+            "diagnosis": diagnose(predicted, measured, profile),
+            "predicted": predicted, "measured": measured}
+
+
+def diagnose(predicted: dict, measured: dict, profile) -> dict:
+    """The served decode step against the profile's, at the batch Little's law gives."""
+    dep = Deployment.parse(predicted["config"])
+    batch = predicted["rate"] * measured["mean_decode_s"] / dep.num_decode
+    ctx = measured["mean_prompt_tokens"] + measured["mean_output_tokens"] / 2
+    whole = max(1, round(batch))
+    prompt = measured["mean_prompt_tokens"]
+    return {"decode_batch_per_instance": batch, "mean_context": ctx,
+            "profile_decode_step_s": profile.decode_time(whole, whole * ctx),
+            "served_decode_step_s": measured["mean_decode_s"]
+            / max(1.0, measured["mean_output_tokens"] - 1),
+            "profile_prefill_one_prompt_s": profile.prefill_time(prompt, prompt ** 2),
+            "how": "batch = rate x mean (e2e - TTFT) / decode instances; profile step = "
+                   "decode_time(batch, batch x (prompt + output / 2)); served step = mean "
+                   "(e2e - TTFT) / (output - 1)"}
+
+
+# -- shared -----------------------------------------------------------------------------------
