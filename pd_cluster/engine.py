@@ -168,8 +168,9 @@ class LLMEngine:
     def _report(self, step: LaunchedStep) -> list[RequestOutput]:
         sampled = step.result()
         self.kv.step_done([s.request.request_id for s in step.plan.scheduled])
-        live = [s for s in step.plan.scheduled if s.samples and s.request.request_id in sampled
-                and not s.request.is_finished]
+        # Requests that ended after this step was planned (a stop found one step late, an
+        # abort) have had their last output already: their token here is dropped.
+        live = [s for s in step.plan.scheduled if s.samples and not s.request.is_finished]
         finished = self.scheduler.record(step.plan, sampled)
         return self.outputs.process(SchedulerOutput(live), finished, self.scheduler,
                                     self.runner.sampler)
