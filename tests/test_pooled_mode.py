@@ -12,6 +12,7 @@ import pytest
 from hf_reference import hf_greedy
 from pd_cluster import LLM, SamplingParams
 from router.routing import Route
+from test_disagg_actors import collect as collect_outputs
 from tiny_models import make_tiny_model
 
 ray = pytest.importorskip("ray")
@@ -51,12 +52,7 @@ def shutdown(client) -> None:
 
 
 async def collect(client, rid, prompt, params=GREEDY, route=Route(0, 0), on_output=None):
-    final = None
-    async for out in client.generate(rid, prompt, params, route):
-        final = out
-        if on_output is not None:
-            await on_output(out)
-    return final
+    return await collect_outputs(client, rid, prompt, params, route, on_output)
 
 
 def run_all(client, prompts, prefix="q", route=Route(0, 0)):
