@@ -2,9 +2,12 @@
 called directly, interleaved on one deployment; prints JSON (and writes it with -o).
 
     python bench/router_overhead.py [--config configs/pd.yaml] [--requests 200]
-        [--set mode=colocated] [--max-seconds 170] [--http-port PORT] [-o out.json]
+        [--set mode=colocated] [--max-seconds 170] [--ingress haproxy|proxy]
+        [--http-port PORT] [-o out.json]
 
-One Serve application is deployed (`build_app(args)` on a free loopback port). Its router
+One Serve application is deployed (`build_app(args)` on a free loopback port, which stands
+for the shipped port 8000: HAProxy listens there, or with --ingress proxy Serve's Python
+proxy, as before HAProxy was the default). Its router
 replica owns the engine replicas; the driver borrows a copy of the replica's EngineClient
 (the same actor handles) and calls `generate` itself. After warm-up, each round times, in
 rotating order so no path always follows the same one:
@@ -21,7 +24,8 @@ round) also cancels slow drifts. The run keeps to --max-seconds, start-up includ
 deployment may take what is left of it, and rounds stop early when it runs out (the report
 says how many were done); each request has --request-timeout. A watchdog past that budget
 dumps every thread's stack and exits. RAY_SERVE_* variables in the environment reach the
-local Ray cluster the bench starts (they are recorded in the report).
+local Ray cluster the bench starts (they are recorded in the report); --ingress sets
+RAY_SERVE_ENABLE_HA_PROXY for it (with --address, the cluster's own environment decides).
 """
 from __future__ import annotations
 
@@ -33,7 +37,6 @@ import http.client
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -48,6 +51,7 @@ from ray import serve
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.serving_app import free_port, ingress_env  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
 from router.app import build_app, model_dir  # noqa: E402
@@ -250,12 +254,6 @@ async def measure(http_path: HTTPPath, direct: DirectPath, rounds: int,
     return samples, time.monotonic() - start
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_bench(args: dict[str, Any], opts: argparse.Namespace, deadline: float
               ) -> dict[str, Any]:
     config = AppConfig.from_args(args)
@@ -275,7 +273,9 @@ def run_bench(args: dict[str, Any], opts: argparse.Namespace, deadline: float
         http_path.close()
     rounds = len(samples["http"])
     report = {"requests": opts.requests, "rounds": rounds, "complete": rounds == opts.requests,
-              "http_target": f"port {opts.http_port}" if opts.http_port else "serve proxy",
+              "http_target": f"port {opts.http_port}" if opts.http_port else
+              {"haproxy": "haproxy", "proxy": "serve proxy"}[opts.ingress],
+              "ingress": opts.ingress,
               "serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
               "prompt_tokens": len(ids), "start_s": round(started_s, 1),
               "measure_s": round(measured_s, 1),
@@ -293,9 +293,12 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=170.0,
                         help="budget of the whole run, start-up included")
     parser.add_argument("--request-timeout", type=float, default=30.0)
+    parser.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy",
+                        help="what serves the HTTP port: HAProxy (shipped) or Serve's Python "
+                             "proxy (for comparison)")
     parser.add_argument("--http-port", type=int, default=None,
-                        help="send HTTP here instead of to the Serve proxy (e.g. the router "
-                             "replica's own port under RAY_SERVE_ENABLE_DIRECT_INGRESS=1)")
+                        help="send HTTP here instead of to the HTTP port (e.g. the router "
+                             "replica's own port 30000)")
     parser.add_argument("--address", default=None, help="Ray address (default: start one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
                         help="override an app arg, e.g. --set mode=colocated")
@@ -311,6 +314,8 @@ def main() -> None:
     # Past the budget, one request timeout and a grace, something hangs: show where, stop.
     faulthandler.dump_traceback_later(opts.max_seconds + opts.request_timeout
                                       + WATCHDOG_GRACE_S, exit=True)
+    if not opts.address:       # Serve reads them when Ray starts
+        os.environ.update(ingress_env(opts.ingress == "haproxy"))
     ray.init(address=opts.address or "local", namespace="serve", log_to_driver=False)
     try:
         report = run_bench(args, opts, deadline)

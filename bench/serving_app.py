@@ -31,10 +31,15 @@ from pd_cluster.benchmark.metrics import summarize  # noqa: E402
 from pd_cluster.cli import main as pd_cluster  # noqa: E402
 from pd_cluster.tuning.slo import SLO  # noqa: E402
 from pd_cluster.tuning.workload import Workload  # noqa: E402
+from router.app import HAPROXY_INGRESS_ENV  # noqa: E402
 
 RECORD_COLUMNS = ("index", "start", "ok", "prompt_tokens", "output_tokens", "ttft", "tpot",
                   "e2e", "met_slo")
 SHUTDOWN_S = 20.0           # stopping Serve and Ray, and the GPUs' memory coming back
+# HAProxy's own listeners, on fixed ports by default (metrics 9101, stats 8404, the head's
+# fallback Serve proxy 8500) that another Ray cluster on the host may hold.
+HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+                     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """A configuration under test: P prefill + D decode replicas, or D colocated engines."""
@@ -82,6 +87,25 @@ def app_args(overrides: list[str]) -> dict:
 
 # -- serving one configuration ----------------------------------------------------------------
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def haproxy_wanted() -> bool:
+    """HAProxy ingress, as shipped, unless RAY_SERVE_ENABLE_HA_PROXY=0 asks for Serve's proxy."""
+    return os.environ.get(HAPROXY_INGRESS_ENV, "1") == "1"
+
+
+def ingress_env(haproxy: bool) -> dict[str, str]:
+    """Environment for a private local Ray cluster: HAProxy ingress on, with its listeners on
+    free ports so that it starts beside another cluster's; or off (Serve's Python proxy)."""
+    if not haproxy:
+        return {HAPROXY_INGRESS_ENV: "0"}
+    return {HAPROXY_INGRESS_ENV: "1", **{k: str(free_port()) for k in HAPROXY_PORT_ENVS}}
+
+
 def _get(url: str, timeout: float = 30.0) -> str | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -102,14 +126,13 @@ def serving(args: dict, opts: argparse.Namespace) -> Iterator[str]:
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(name, value)          # the engines inherit them through Ray
+    os.environ.update(ingress_env(haproxy_wanted()))    # Serve reads them when Ray starts
     work = Path(tempfile.mkdtemp(prefix="pdsw", dir="/tmp"))     # short: Ray's socket paths
     ray.init(address="local", num_cpus=opts.num_cpus, num_gpus=opts.num_gpus,
              include_dashboard=False, namespace="serve", log_to_driver=False,
              _temp_dir=str(work))
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run_many([serve.RunTarget(build_app(args), name="pd", route_prefix="/")],
                        wait_for_applications_running=False)
