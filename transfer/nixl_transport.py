@@ -7,6 +7,7 @@ carrying the DONE notice that NIXL delivers to the peer after the data. Control 
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -19,13 +20,27 @@ from transfer.messages import Message, MsgKind, PoolDescriptor
 from transfer.runs import block_indices
 
 _NOTHING = "nothing to move"  # handle of a transfer of zero blocks: done once posted
+# UCX backend parameters ("num_workers=2,num_threads=4"), for tuning without a code change.
+UCX_PARAMS_ENV = "PD_NIXL_UCX_PARAMS"
+
+
+def ucx_params_from_env() -> dict[str, str]:
+    text = os.environ.get(UCX_PARAMS_ENV, "").strip()
+    pairs = [kv.split("=", 1) for kv in text.split(",") if kv.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"{UCX_PARAMS_ENV}={text!r}: expected name=value[,name=value...]")
+    return {k.strip(): v.strip() for k, v in pairs}
 
 
 class NixlTransport(KVTransport):
     backend = "nixl"
 
-    def __init__(self, name: str | None = None, **kwargs):
+    def __init__(self, name: str | None = None, ucx_params: dict[str, str] | None = None,
+                 telemetry: bool = False, progress_thread: bool | None = None, **kwargs):
         super().__init__(name, **kwargs)
+        self.ucx_params = ucx_params_from_env() if ucx_params is None else dict(ucx_params)
+        self.telemetry = telemetry  # NIXL's per-transfer timings (get_xfer_telemetry), for benches
+        self.progress_thread = progress_thread  # None: for GPU pools only (see _register)
         self.agent = None   # made at register(), once we know which memory it moves
         self._reg = self._local = None
         self._remote: dict[str, object] = {}  # peer → its prepped descriptor list
@@ -36,8 +51,10 @@ class NixlTransport(KVTransport):
         # next layer's prefill). Host pools: that thread spins a core even when idle, which
         # starves the engines on a small CPU machine; the owner's pump progresses the agent
         # often enough (every check and notification poll does).
-        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=kv.is_cuda,
-                                                             backends=["UCX"]))
+        self.agent = nixl_agent(self.name, nixl_agent_config(
+            enable_prog_thread=kv.is_cuda if self.progress_thread is None else self.progress_thread,
+            backends=[], capture_telemetry=self.telemetry))
+        self.agent.create_backend("UCX", self.ucx_params)
         self._reg = self.agent.register_memory(kv)
         self._mem = "VRAM" if kv.is_cuda else "DRAM"
         self._local = self._prep("NIXL_INIT_AGENT", self.layout, kv.data_ptr(),
