@@ -9,7 +9,8 @@ Lifecycle of a request:
                                  prefill side made has landed (a failed or expired transfer
                                  frees the blocks and raises)
     waiting → running          → the request joins the continuous batch with its first token;
-                                 a Ray streaming generator yields each output
+                                 its outputs go to the caller's stream (`outputs`, see
+                                 actors/streaming.py), and decode() returns
     abort / lease expiry       → blocks freed; a stream ends with finish_reason "abort"
 Pooled mode (`attach_kv_cache` first; the prefill result carries `pool_keys`): at transfer,
 D reads the prompt blocks it lacks (past its own prefix hit) from the DistributedKVCache into
@@ -22,15 +23,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 
 from actors.engine_loop import EngineLoop
 from actors.kv_push import expect_transfers
-from actors.messages import STREAM_BACKPRESSURE, KVDestination, PrefillResult, StreamDelta
+from actors.messages import KVDestination, PrefillResult
 from actors.pool_client import PumpKVCacheClient
+from actors.streaming import StreamingEngine
 from actors.transport_pump import open_pump
 from pd_cluster.config import EngineConfig
 from pd_cluster.sampling_params import SamplingParams
@@ -39,11 +40,12 @@ from transfer.messages import PoolDescriptor
 
 
 @ray.remote
-class DecodingActor:
+class DecodingActor(StreamingEngine):
     def __init__(self, config: EngineConfig, replica_id: int, transport: str,
                  timeout_s: float = 120.0, lease_s: float = 60.0) -> None:
         self.replica_id, self.timeout_s, self.lease_s = replica_id, timeout_s, lease_s
         self.loop = EngineLoop(config, timeout_s)
+        self._open_outbox()
         engine = self.loop.engine
         self.descriptor, self.pump = open_pump(engine, transport, timeout_s,
                                                f"decode-{replica_id}-kv")
@@ -84,9 +86,9 @@ class DecodingActor:
         self._dests.pop(request_id, None)
         self.loop.abort(request_id)
 
-    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
-    async def decode(self, request_id: str, result: PrefillResult) -> AsyncIterator[StreamDelta]:
-        """Stream the request's outputs once the prompt KV from `result` has landed."""
+    async def decode(self, request_id: str, result: PrefillResult, sub: str) -> None:
+        """Once the prompt KV from `result` has landed, continue the request with its first
+        token; its outputs go to `sub`'s stream. Raises if the KV did not land."""
         lease, dest = self._leases.pop(request_id, None), self._dests.pop(request_id, None)
         if lease is None:
             raise RuntimeError(f"request {request_id!r} holds no KV reservation here (expired?)")
@@ -106,8 +108,8 @@ class DecodingActor:
             self.loop.abort(request_id)
             raise
         self.stages.append((request_id, called, time.monotonic()))
-        async for out in self.loop.resume(request_id, result.token, result.logprobs):
-            yield StreamDelta.of(out)
+        self.loop.resume_into(request_id, result.token, result.logprobs,
+                              self.outbox.queue(sub, request_id))
 
     async def stage_times(self) -> list[tuple[str, float, float]]:
         """(request id, decode called, KV landed) of recent requests."""
@@ -150,12 +152,8 @@ class DecodingActor:
     async def pool(self) -> bytes:
         return self.descriptor.encode()
 
-    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StreamDelta]:
-        """Prefill here and decode (conditional disaggregation, or recompute after a failure)."""
-        async for out in self.loop.stream(request_id, prompt_ids, params):
-            yield StreamDelta.of(out)
+    # generate() (StreamingEngine): prefill here too (conditional disaggregation, or
+    # recompute after a failed prefill).
 
     async def abort(self, request_id: str) -> None:
         self._dests.pop(request_id, None)

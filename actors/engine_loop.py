@@ -9,6 +9,9 @@ Lifecycle of a request:
     consumer                 → iterates outputs until one is finished; if it stops early
                                (break, GeneratorExit, CancelledError, stall timeout), the
                                request is aborted in the engine, which frees its KV blocks
+    submit(id, ids, params, q) → the same, but the outputs go to a shared queue `q` as
+                               (id, output) items (an Outbox's: one Ray stream per router
+                               replica); only `abort(id)` stops such a request early
 The engine is touched only by its thread, so it needs no lock; `load()` reads a snapshot
 that the thread refreshes after every step.
 """
@@ -75,10 +78,13 @@ class _Abort:
 
 @dataclass(slots=True)
 class _Sink:
-    """Where a request's outputs go: an asyncio queue owned by the consumer's event loop."""
+    """Where a request's outputs go: an asyncio queue owned by the consumer's event loop.
+    Tagged sinks share a queue (an Outbox's) and put (tag, output) items; the engine thread
+    closes them after the finished output or an error."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tag: str | None = None
 
 
 class EngineLoop:
@@ -106,11 +112,24 @@ class EngineLoop:
                                        _Add(request_id, list(prompt_ids), params, hold_kv)):
             yield out
 
-    async def resume(self, request_id: str, token: int,
-                     logprobs: dict[int, float] | None) -> AsyncIterator[RequestOutput]:
-        """Outputs of a request reserved with `call(engine.reserve)` whose KV has arrived."""
-        async for out in self._consume(request_id, _Resume(request_id, token, logprobs)):
-            yield out
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               queue: asyncio.Queue) -> None:
+        """Like `stream`, but the outputs go to `queue` (anything with put_nowait, e.g. an
+        Outbox mailbox) as (request_id, output) items, and an error as (request_id,
+        exception); nothing aborts the request unless `abort` is called."""
+        self._open(request_id, queue, _Add(request_id, list(prompt_ids), params))
+
+    def resume_into(self, request_id: str, token: int, logprobs: dict[int, float] | None,
+                    queue: asyncio.Queue) -> None:
+        """Continue a request reserved with `call(engine.reserve)` whose KV has arrived, from
+        its first token; outputs into `queue` as `submit` does."""
+        self._open(request_id, queue, _Resume(request_id, token, logprobs))
+
+    def _open(self, request_id: str, queue: asyncio.Queue, start: _Add | _Resume) -> None:
+        if request_id in self._sinks:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        self._sinks[request_id] = _Sink(asyncio.get_running_loop(), queue, request_id)
+        self._submit(start)
 
     async def call(self, fn: Any, timeout_s: float = 60.0) -> Any:
         """`fn(engine)` on the engine thread, between steps; returns its result."""
@@ -119,8 +138,7 @@ class EngineLoop:
         self._submit(_Call(fn, loop, future))
         return await asyncio.wait_for(future, timeout_s)
 
-    async def _consume(self, request_id: str,
-                       start: _Add | _Resume) -> AsyncIterator[RequestOutput]:
+    async def _consume(self, request_id: str, start: _Add) -> AsyncIterator[RequestOutput]:
         if request_id in self._sinks:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         sink = _Sink(asyncio.get_running_loop())
@@ -195,6 +213,8 @@ class EngineLoop:
             out = self.engine.abort(command.request_id)
             if out is not None:
                 self._deliver(command.request_id, out)
+            elif getattr(self._sinks.get(command.request_id), "tag", None) is not None:
+                del self._sinks[command.request_id]   # nothing left to say: close it
         elif isinstance(command, _Call):
             self._run_call(command)
         elif isinstance(command, _Resume):
@@ -245,7 +265,7 @@ class EngineLoop:
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+                by_loop.setdefault(sink.loop, []).append((sink.queue, self._item(sink, out)))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -257,9 +277,17 @@ class EngineLoop:
         if sink is None:
             return
         try:
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, self._item(sink, item))
         except RuntimeError:      # the consumer's event loop is closed: nobody to tell
             pass
+
+    def _item(self, sink: _Sink, item: RequestOutput | Exception) -> Any:
+        """What goes on the sink's queue; a tagged sink closes with its last item."""
+        if sink.tag is None:
+            return item
+        if isinstance(item, Exception) or item.finished:
+            self._sinks.pop(sink.tag, None)
+        return sink.tag, item
 
     def _snapshot(self) -> dict[str, Any]:
         sched, kv = self.engine.scheduler, self.engine.kv

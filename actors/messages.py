@@ -67,6 +67,21 @@ class StreamDelta:
                    o.finish_reason, o.stop_reason, out.num_cached_tokens, out.error)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """A request's stream ended in an error: the engine refused it ("rejected": the client's
+    fault), failed ("failed") or gave up waiting ("timeout")."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, e: Exception) -> "StreamError":
+        kind = ("rejected" if isinstance(e, ValueError)
+                else "timeout" if isinstance(e, TimeoutError) else "failed")
+        return cls(kind, str(e) or type(e).__name__)
+
+
 class StreamAccumulator:
     """Rebuilds a request's cumulative RequestOutputs from its StreamDeltas (across re-runs
     on other replicas too: a re-run's deltas continue the same stream)."""

@@ -1,4 +1,7 @@
-"""ColocatedClient: the EngineClient over N ColocatedActor handles (colocated mode)."""
+"""ColocatedClient: the EngineClient over N ColocatedActor handles (colocated mode).
+
+A request: open its queue in OutputStreams → actor.generate → its deltas from the actor's
+one output stream to this replica → finished (or aborted on the actor if left early)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +14,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
+from router.output_streams import OutputStreams
 from router.routing import DECODE, ReplicaLoad, Route
 
 # Load queries slower than this fail; the router keeps its previous reports meanwhile.
@@ -20,17 +24,19 @@ LOAD_TIMEOUT_S = 5.0
 class ColocatedClient:
     """Sends each request to the engine its Route names (Route.decode_id; no prefill role)."""
 
-    def __init__(self, actors: Sequence[Any]) -> None:
+    def __init__(self, actors: Sequence[Any], timeout_s: float = 600.0) -> None:
         self.actors = list(actors)
+        self.timeout_s = timeout_s           # longest wait for a request's next output
+        self.streams = OutputStreams()
         self._where: dict[str, int] = {}     # request id → replica, while it streams
 
     @classmethod
     def start(cls, config: AppConfig, engine: EngineConfig,
               actor_options: Mapping[str, dict[str, Any]]) -> ColocatedClient:
         """One ColocatedActor per decode replica (colocated engines take the decode role)."""
-        options = actor_options["decode"]
-        return cls([ColocatedActor.options(**options).remote(
-            engine, i, config.limits.request_timeout_s) for i in range(config.num_decode)])
+        options, timeout = actor_options["decode"], float(config.limits.request_timeout_s)
+        return cls([ColocatedActor.options(**options).remote(engine, i, timeout)
+                    for i in range(config.num_decode)], timeout)
 
     async def wait_ready(self, timeout_s: float) -> None:
         await asyncio.wait_for(asyncio.gather(*[a.load.remote() for a in self.actors]),
@@ -42,14 +48,15 @@ class ColocatedClient:
         self._where[request_id] = route.decode_id
         finished = False
         try:
-            gen = actor.generate.options(num_returns="streaming").remote(
-                request_id, prompt_token_ids, params)
+            await self.streams.open(request_id, route.decode_id, actor)
+            await actor.generate.remote(request_id, prompt_token_ids, params, self.streams.sub)
             acc = StreamAccumulator(request_id, prompt_token_ids)
-            async for ref in gen:
-                out = acc.add(await ref)
+            async for delta in self.streams.deltas(request_id, self.timeout_s):
+                out = acc.add(delta)
                 finished = out.finished
                 yield out
         finally:
+            self.streams.close(request_id)
             self._where.pop(request_id, None)
             if not finished:
                 # Fire and forget: this may run while the caller is being cancelled.

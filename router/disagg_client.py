@@ -36,6 +36,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
+from router.output_streams import OutputStreams
 from router.routing import DECODE, PREFILL, ReplicaLoad, Route
 from transfer.messages import PoolDescriptor
 
@@ -56,6 +57,8 @@ class DisaggregatedClient:
         self.recompute, self.pooled, self.timeout_s = recompute, pooled, timeout_s
         self.kv_cache: Any = None   # pooled mode: the DistributedKVCache, once ready
         self.dead: set[tuple[str, int]] = set()
+        self.streams = OutputStreams()       # D's outputs, one Ray stream per D
+        self._tasks: set[asyncio.Task] = set()
         self._where: dict[str, tuple[str, Any, Any]] = {}  # id → (attempt id, P or None, D)
 
     @classmethod
@@ -102,14 +105,14 @@ class DisaggregatedClient:
                 left = dataclasses.replace(params, max_tokens=params.max_tokens - done,
                                            min_tokens=max(0, params.min_tokens - done))
                 try:
-                    stream, early = await self._start(request_id, attempt_id,
-                                                      prompt_token_ids + acc.token_ids, left,
-                                                      Route(d_id, route.prefill_id))
+                    await self.streams.open(attempt_id, (DECODE, d_id), self.decode[d_id])
+                    early = await self._start(request_id, attempt_id,
+                                              prompt_token_ids + acc.token_ids, left,
+                                              Route(d_id, route.prefill_id))
                     if early is not None:
                         first_text = early.text
                         yield acc.add(early)
-                    async for ref in stream:
-                        delta = await ref
+                    async for delta in self.streams.deltas(attempt_id, self.timeout_s):
                         if early is not None:   # D's first output repeats the early token
                             early = None
                             delta = dataclasses.replace(delta, token_ids=delta.token_ids[1:],
@@ -126,16 +129,18 @@ class DisaggregatedClient:
                     attempt += 1
                     log.warning("decode replica died; re-running %s on decode %d from %d "
                                 "streamed tokens", request_id, d_id, len(acc.token_ids))
+                finally:
+                    self.streams.close(attempt_id)
         finally:
             where = self._where.pop(request_id, None)
             if where is not None:
                 self._abort_quietly(*where)
 
     async def _start(self, request_id: str, attempt_id: str, prompt: list[int],
-                     params: SamplingParams, route: Route) -> tuple[Any, RequestOutput | None]:
-        """Start one try on one decode replica: its Ray stream of outputs, and the first
-        token's output when the prefill side already has it (TTFT does not wait for D).
-        Raises RayActorError if that replica dies."""
+                     params: SamplingParams, route: Route) -> StreamDelta | None:
+        """Start one try on one decode replica (its outputs come through self.streams);
+        returns the first token's output when the prefill side already has it (TTFT does
+        not wait for D). Raises RayActorError if that replica dies."""
         d = self.decode[route.decode_id]
         self._where[request_id] = (attempt_id, None, d)
         if route.prefill_id is not None:
@@ -151,11 +156,24 @@ class DisaggregatedClient:
             if result is not None:
                 # With stop strings, D must judge the first token's text with the next.
                 early = None if params.stop else StreamDelta.of(_unfinished(result.first_output))
-                return (d.decode.options(num_returns="streaming").remote(attempt_id, result),
-                        early)
+                # Not awaited here: the early token goes out while D waits for the KV; a
+                # failure to take it over surfaces through the request's stream.
+                self._resume(attempt_id, d, result)
+                return early
         # D prefills it itself: by the route, for lack of room, or as the fallback.
-        return (d.generate.options(num_returns="streaming").remote(attempt_id, prompt, params),
-                None)
+        await d.generate.remote(attempt_id, prompt, params, self.streams.sub)
+        return None
+
+    def _resume(self, attempt_id: str, d: Any, result: Any) -> None:
+        """D.decode in the background; its error (KV not landed, D died) ends the stream."""
+        async def run() -> None:
+            try:
+                await d.decode.remote(attempt_id, result, self.streams.sub)
+            except Exception as e:  # noqa: BLE001 - handed to the request's reader
+                self.streams.fail(attempt_id, e)
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _prefill(self, request_id: str, attempt_id: str, prompt: list[int],
                        params: SamplingParams, dest: list | None, p_id: int, d: Any):
