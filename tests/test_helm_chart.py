@@ -195,6 +195,28 @@ def test_router_service_selects_serving_ray_pods_by_a_named_port(rendered):
     assert service["spec"]["selector"]["ray.io/serve"] == "true"
 
 
+def haproxy_env(rayservice: dict) -> set[str | None]:
+    """RAY_SERVE_ENABLE_HA_PROXY of each Ray container."""
+    return {next((e.get("value") for e in t["spec"]["containers"][0]["env"]
+                  if e["name"] == "RAY_SERVE_ENABLE_HA_PROXY"), None)
+            for t in pod_templates(rayservice).values()}
+
+
+def test_every_ray_pod_starts_with_haproxy_ingress_on_the_service_port(rendered):
+    rayservice = only(rendered, "RayService")
+    assert haproxy_env(rayservice) == {"1"}
+    serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    (port,) = only(rendered, "Service", "-router")["spec"]["ports"]
+    assert port["port"] == serve_config["http_options"]["port"] == 8000
+
+
+def test_haproxy_ingress_can_be_turned_off(helm):
+    done = run_helm(helm, "template", "pd", str(CHART), "--set", "service.haproxy=false")
+    assert done.returncode == 0, done.stderr
+    (rayservice,) = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "RayService"]
+    assert haproxy_env(rayservice) == {"0"}
+
+
 def test_service_monitors_find_the_ray_and_router_metrics_services(rendered):
     if "ServiceMonitor" not in rendered:
         pytest.skip("metrics.serviceMonitor disabled in these values")

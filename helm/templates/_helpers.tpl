@@ -112,8 +112,10 @@ applications:
 {{- end -}}
 {{- end -}}
 
-{{/* Env of every Ray container. */}}
+{{/* Env of every Ray container. Ray reads RAY_SERVE_* when it starts: HAProxy ingress. */}}
 {{- define "pd-cluster.env" -}}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" .Values.service.haproxy | quote }}
 - name: UCX_TLS
   value: {{ include "pd-cluster.ucxTls" . | quote }}
 {{- with .Values.ucx.netDevices }}
