@@ -40,6 +40,9 @@ SHUTDOWN_S = 20.0           # stopping Serve and Ray, and the GPUs' memory comin
 # fallback Serve proxy 8500) that another Ray cluster on the host may hold.
 HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
                      "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+# A replica behind HAProxy stays up at least this long when stopped (default 30 s), for load
+# balancers to let go of it; nothing needs that of a private cluster being torn down.
+DRAINING_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """A configuration under test: P prefill + D decode replicas, or D colocated engines."""
@@ -100,10 +103,12 @@ def haproxy_wanted() -> bool:
 
 def ingress_env(haproxy: bool) -> dict[str, str]:
     """Environment for a private local Ray cluster: HAProxy ingress on, with its listeners on
-    free ports so that it starts beside another cluster's; or off (Serve's Python proxy)."""
+    free ports so that it starts beside another cluster's, and stopping without the drain
+    period; or off (Serve's Python proxy)."""
     if not haproxy:
         return {HAPROXY_INGRESS_ENV: "0"}
-    return {HAPROXY_INGRESS_ENV: "1", **{k: str(free_port()) for k in HAPROXY_PORT_ENVS}}
+    return {HAPROXY_INGRESS_ENV: "1", **DRAINING_ENV,
+            **{k: str(free_port()) for k in HAPROXY_PORT_ENVS}}
 
 
 def _get(url: str, timeout: float = 30.0) -> str | None:

@@ -5,7 +5,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,18 +17,16 @@ import ray
 import yaml
 from ray import serve
 
+from bench.serving_app import free_port, haproxy_wanted, ingress_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
 START_TIMEOUT_S = 600
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _healthy(url: str) -> bool:
+    """The app's own /health answers 200 (before the app's routes exist HAProxy answers 404,
+    while its replica is not yet checked up 503: urlopen raises on both)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
             return resp.status == 200
@@ -49,18 +46,40 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 
 @contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
 def serve_run(args_overrides: dict) -> Iterator[str]:
     """URL of `serve run` on a temp copy of configs/pd.yaml (args updated), on a private local
     Ray (2 CPUs) and a free loopback port; everything is stopped afterwards.
 
+    Ray starts with HAProxy ingress, as shipped (RAY_SERVE_ENABLE_HA_PROXY=0 in the
+    environment: Serve's Python proxy instead), HAProxy's other listeners on free ports.
     Serve is started first with that port, so the file's port 8000 is ignored by `serve run`
     and parallel runs do not clash.
     """
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    with _environ(ingress_env(haproxy_wanted())), _serve_run(args_overrides) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _serve_run(args_overrides: dict) -> Iterator[str]:
     work = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))   # short: Ray's socket paths
     config = yaml.safe_load(SERVE_CONFIG.read_text())
     config["applications"][0]["args"].update(args_overrides)
     (work / "pd.yaml").write_text(yaml.safe_dump(config))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="serve",
                    log_to_driver=False, _temp_dir=str(work / "ray"))
     port = free_port()

@@ -140,24 +140,23 @@ def test_bad_requests_get_4xx_openai_errors_and_serving_goes_on(server: str,
 
 
 async def stream_one(aclient: openai.AsyncOpenAI, i: int, leave: bool) -> tuple[str, bool]:
-    """One streaming client; if `leave`, it hangs up after two chunks. Returns its finish
-    reason ("" if none) and whether it hung up on an unfinished stream."""
+    """One streaming client; if `leave`, it hangs up after two chunks, else it reads the
+    stream to its end ([DONE]). Returns its finish reason ("" if none) and whether it hung up
+    on an unfinished stream."""
     # A leaver asks for far more tokens than could be generated in the test's time, so its
     # KV can only be free afterwards if hanging up aborted it.
     stream = await aclient.completions.create(
         model="default", prompt=f"Story number {i}: once upon a time", temperature=0,
         max_tokens=LEAVER_TOKENS if leave else 12, stream=True,
         extra_body={"ignore_eos": leave})
-    seen = 0
+    seen, reason = 0, ""
     async for chunk in stream:
         seen += 1
-        reason = chunk.choices[0].finish_reason
-        if reason:
-            return reason, False
-        if leave and seen == 2:
+        reason = chunk.choices[0].finish_reason or reason
+        if leave and seen == 2 and not reason:
             await stream.close()
             return "", True
-    return "", False
+    return reason, False
 
 
 def test_64_streams_with_a_quarter_disconnecting_leave_nothing_behind(server: str):
