@@ -8,6 +8,8 @@ the DistributedKVCache (engine → pinned host pool → engine). Prints one JSON
 Model shape defaults to Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16): a 2048-token
 prompt is 256 MiB of KV. GB/s are 1e9 bytes per second of KV moved, timed on the sender from
 posting the transfer to its completion (for two-sided backends: the receiver's ACK).
+per_layer_spaced posts one layer's write every --gap-ms, as a prefill does after each layer,
+and reports each write's post-to-done time (GB/s: one layer's bytes over its median).
 """
 from __future__ import annotations
 
@@ -61,6 +63,33 @@ class Side:
             for t in ts:
                 self.t.release(t)
         return times
+
+    def spaced(self, peer: str, tids: list[list[str]], gap_s: float) -> list[list[float]]:
+        """Per round, one write per layer posted `gap_s` apart (as a prefill computes its
+        layers), polling the ones in flight meanwhile: seconds from each post to its DONE."""
+        rounds = []
+        for round_tids in tids:
+            posted, done, ts = [], {}, []
+            t0 = time.perf_counter()
+            for i, tid in enumerate(round_tids):
+                while time.perf_counter() < t0 + i * gap_s:
+                    self._note_done(ts, done)
+                ts.append(self.t.write(peer, self.blocks, self.blocks, range(i, i + 1),
+                                       transfer_id=tid))
+                posted.append(time.perf_counter())
+            deadline = time.monotonic() + 60
+            while len(done) < len(ts) and time.monotonic() < deadline:
+                self._note_done(ts, done)
+            for t in ts:
+                t.raise_if_failed()
+                self.t.release(t)
+            rounds.append([done[i] - posted[i] for i in range(len(ts))])
+        return rounds
+
+    def _note_done(self, ts: list, done: dict) -> None:
+        for i, t in enumerate(ts):
+            if i not in done and self.t.poll(t).finished:
+                done[i] = time.perf_counter()
 
     def pool_round_trip(self, pool, iters: int) -> tuple[list[float], list[float]]:
         client = KVCacheClient(pool, self.t)
@@ -125,6 +154,17 @@ def run(args: argparse.Namespace) -> dict:
     secs = ray.get(sender.push.remote(r_name, tids, [range(0, 1)]))
     ray.get(serving)
     out["per_layer"] = _rates(secs, nbytes // layout.num_layers, args.warmup * 4)
+    # As a prefill issues them: one layer's write per layer of compute (--gap-ms apart).
+    tids = _tids("spaced", rounds, layout.num_layers)
+    serving = receiver.serve.remote(s_name, [t for r in tids for t in r])
+    lat = [x for r in ray.get(sender.spaced.remote(r_name, tids, args.gap_ms / 1e3))[args.warmup:]
+           for x in r]
+    ray.get(serving)
+    layer_bytes = nbytes // layout.num_layers
+    out["per_layer_spaced"] = dict(
+        gap_ms=args.gap_ms, post_to_done_us_median=round(statistics.median(lat) * 1e6, 1),
+        post_to_done_us_p90=round(sorted(lat)[int(0.9 * (len(lat) - 1))] * 1e6, 1),
+        gbps_median=round(layer_bytes / statistics.median(lat) / 1e9, 1))
     if not args.skip_pool:
         pool = ray.remote(num_cpus=0, num_gpus=0.05 if gpus else 0, max_concurrency=8)(
             DistributedKVCache).remote(layout, args.backend, timeout_s=120.0, lease_s=30.0)
@@ -183,6 +223,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--gap-ms", type=float, default=1.5,
+                   help="per_layer_spaced: ms between layers (a 2048-token prefill of the 8B "
+                        "model: ~48 ms / 32 layers)")
     p.add_argument("--skip-pool", action="store_true", help="skip the DistributedKVCache part")
     p.add_argument("--post-overhead", action="store_true",
                    help="only the per-write posting/polling cost, in one process")

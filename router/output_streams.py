@@ -37,6 +37,11 @@ class OutputStreams:
         self._readers: dict[Hashable, asyncio.Task] = {}
         self._subscribed: dict[Hashable, asyncio.Future] = {}
 
+    def __reduce__(self):
+        # A copy (a client pickled to another process) is a new subscriber: sharing our id
+        # would make the actors hand our stream over to it.
+        return (OutputStreams, ())
+
     async def open(self, request_id: str, key: Hashable, actor: Any,
                    timeout_s: float = 60.0) -> None:
         """Make the request's queue; returns once the actor's stream to us is subscribed
