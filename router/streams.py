@@ -75,7 +75,11 @@ async def _single(stream: AsyncIterator[T], deadline: float, timeout_s: float
                 return
             yield 0, item
     finally:
-        await stream.aclose()
+        # A second cancellation (Starlette's cancel scope repeats its own until the request
+        # task ends) cuts short wait_for's wait for the step it cancelled: that step, still
+        # running, closes the stream itself, and aclose() would raise.
+        if not stream.ag_running:
+            await stream.aclose()
 
 
 async def _interleaved(streams: Sequence[AsyncIterator[T]], deadline: float, timeout_s: float
