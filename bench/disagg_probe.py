@@ -134,5 +134,23 @@ def _report(sent: dict, p: dict, d: dict, marks: list) -> dict:
             "layer_post_lag": _stats(lags)}
 
 
+def actor_stages(p_rows: list, d_rows: list, since: float) -> dict:
+    """Stage percentiles of the requests P was called for after `since` (monotonic), from
+    the actors' own stamps alone (no client-side send times): what a sweep through HTTP can
+    see inside the engines."""
+    d = {r[0]: r[1:] for r in d_rows}
+    stages = {k: [] for k in ("queue_prefill", "destination", "transfer", "handoff", "landing")}
+    for rid, called, prefilled, dest, landed in p_rows:
+        if called < since:
+            continue
+        stages["queue_prefill"].append(prefilled - called)
+        stages["destination"].append(max(0.0, dest - prefilled))
+        stages["transfer"].append(landed - dest)
+        if rid in d:
+            stages["handoff"].append(d[rid][0] - landed)
+            stages["landing"].append(d[rid][1] - d[rid][0])
+    return {k: _stats(v) for k, v in stages.items()}
+
+
 if __name__ == "__main__":
     main()

@@ -65,6 +65,9 @@ SWEEP_DEFINITIONS = {
                    "A prefill replica times a transfer from the end of the prompt's compute to "
                    "its last write landing (layer-wise writes before that overlap compute): the "
                    "transfer's part of TTFT. share_of_ttft = its mean / the run's mean TTFT",
+    "engine_stages": "disaggregated only: percentiles of bench/disagg_probe.py's stages inside "
+                     "the first P and D (queue+prefill, destination, transfer, handoff, landing) "
+                     "over every request of the run, from the actors' own monotonic stamps",
     "summary": "per config: best goodput per GPU at a rate meeting the SLOs, and the rate where "
                "attainment crosses the percentile, interpolated between the last rate that "
                "met it and the next (None when the sweep did not cross it)",
@@ -76,13 +79,32 @@ def measure(url: str, opts: argparse.Namespace, slo: SLO, rate: float, seed: int
     """One rate: load for settle + window + settle seconds, the middle window measured."""
     span = 2 * settle + opts.window
     n = int(rate * span * 1.3) + 10           # more than the Poisson arrivals in `span`
-    before = scrape(url)
+    before, since = scrape(url), time.monotonic()
     report = bench(url, opts, ["--rate", f"{rate:g}", "--max-duration", f"{span:g}"], n, seed)
     after = scrape(url)
     inside = [r for r in report["records"] if settle <= r["start"] < settle + opts.window]
     return {**point_stats(inside, rate, opts.window, slo),
             "kv_transfer": kv_transfer(before, after, report["ttft"]["mean"]),
+            "engine_stages": engine_stages(since),
             "whole_run": whole_run(report), "records": compact(inside)}
+
+
+def engine_stages(since: float) -> dict | None:
+    """Disaggregated: where the time went inside the first P and D, from their own stamps
+    (bench/disagg_probe.py's stages, all requests of the run); None otherwise or on failure."""
+    try:
+        import ray
+
+        from bench.disagg_probe import actor_stages
+        from bench.router_overhead import borrow_client
+        client = borrow_client(30.0)
+        if not getattr(client, "prefill", None):
+            return None
+        p_rows, d_rows = ray.get([client.prefill[0].stage_times.remote(),
+                                  client.decode[0].stage_times.remote()], timeout=30)
+        return actor_stages(p_rows, d_rows, since)
+    except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the measured point
+        return {"error": repr(e)[:300]}
 
 
 # -- sweep ------------------------------------------------------------------------------------

@@ -61,6 +61,10 @@ class DisaggregatedClient:
         self._tasks: set[asyncio.Task] = set()
         self._where: dict[str, tuple[str, Any, Any]] = {}  # id → (attempt id, P or None, D)
 
+    def __getstate__(self) -> dict:
+        # A copy (benchmarks borrow the router's client) leaves our background tasks here.
+        return {**self.__dict__, "_tasks": set()}
+
     @classmethod
     def start(cls, config: AppConfig, engine: EngineConfig,
               actor_options: Mapping[str, dict[str, Any]]) -> "DisaggregatedClient":

@@ -69,6 +69,11 @@ def test_sweep_measures_every_rate_of_each_configuration(tmp_path: Path):
         assert [p["rate"] for p in config["points"]] == [1.0, 2.0], config["skipped"]
         for point in config["points"]:
             check_point(point, config, result["slo"])
+            stages = point["engine_stages"]
+            if config["mode"] == "colocated":
+                assert stages is None
+            else:   # P's and D's own stamps of the run's requests
+                assert stages["queue_prefill"]["n"] > 0 and stages["landing"]["n"] > 0, stages
     per = result["summary"]["configs"]
     assert set(per) == {"disagg:1:1", "colo:1"}
     for config in result["configs"]:
