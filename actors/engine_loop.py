@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopped = False
         self._load = self._snapshot()
+        self.step_times: collections.deque = collections.deque(maxlen=4096)  # diagnostics
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -188,7 +190,9 @@ class EngineLoop:
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             try:
+                began = time.monotonic()
                 outputs = self.engine.step(self.listener)
+                self.step_times.append(time.monotonic() - began)
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the thread
                 logger.exception("engine step failed")
                 self._fail_all(EngineFailed(f"engine step failed: {e!r}"))

@@ -198,6 +198,15 @@ class PrefillActor:
         """(request id, called, prefilled, destination known, KV landed) of recent requests."""
         return list(self.stages)
 
+    async def diagnostics(self) -> dict:
+        """The pump's command lag and slow iterations, and the engine's step durations."""
+        steps = sorted(self.loop.step_times)
+        pick = (lambda q: round(steps[int(q * (len(steps) - 1))] * 1e3, 2)) if steps else None
+        return {"pump": self.pump.stats(), "steps": len(steps),
+                "step_p50_ms": pick(0.5) if pick else None,
+                "step_p90_ms": pick(0.9) if pick else None,
+                "step_max_ms": pick(1.0) if pick else None}
+
     async def timeline(self) -> list[tuple[str, int, float]]:
         """Per-layer (\"computed\" | \"posted\", layer, time) marks of the pusher."""
         return list(self.pusher.timeline)

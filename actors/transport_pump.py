@@ -40,6 +40,10 @@ class TransportPump:
         self._line: collections.deque = collections.deque()   # (event, fn, future), in order
         self._waits: list[_Wait] = []
         self._tick_s = tick_s
+        # Diagnostics: seconds from call() to running, for commands without an event (what a
+        # waiter sees), and the longest pump iterations.
+        self.call_lag: collections.deque = collections.deque(maxlen=4096)
+        self.slow_iterations: collections.deque = collections.deque(maxlen=256)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -51,8 +55,17 @@ class TransportPump:
     def call_after(self, event: Any, fn: Callable[[KVTransport], Any]) -> Future:
         """Like `call`, once `event` (a torch.cuda.Event, or None) has fired."""
         fut: Future = Future()
-        self._commands.put((event, fn, fut))
+        self._commands.put((event, fn, fut, time.monotonic()))
         return fut
+
+    def stats(self) -> dict:
+        """Percentiles of call() → run for event-less commands, and the slowest iterations."""
+        lag = sorted(self.call_lag)
+        pick = (lambda q: round(lag[int(q * (len(lag) - 1))] * 1e3, 2)) if lag else (lambda q: None)
+        return {"calls": len(lag), "call_lag_p50_ms": pick(0.5), "call_lag_p90_ms": pick(0.9),
+                "call_lag_max_ms": pick(1.0), "line_now": len(self._line),
+                "slow_iterations_ms": sorted((round(x * 1e3, 1) for x in self.slow_iterations),
+                                            reverse=True)[:10]}
 
     def wait_all(self, transfers: list[Transfer],
                  on_end: Callable[[], None] | None = None) -> Future:
@@ -67,7 +80,7 @@ class TransportPump:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._commands.put((None, None, None))
+        self._commands.put((None, None, None, 0.0))
         self._thread.join(timeout_s)
         self.transport.close()
 
@@ -77,16 +90,22 @@ class TransportPump:
             # on a TTFT path.
             busy = self._waits or self._line
             self._take(self._tick_s / 5 if busy else self._tick_s)
+            start = time.monotonic()
             while self._line:
-                event, fn, fut = self._line[0]
+                event, fn, fut, queued = self._line[0]
                 if event is not None and not event.query():
                     break
                 self._line.popleft()
+                if event is None:
+                    self.call_lag.append(time.monotonic() - queued)
                 self._execute(fn, fut)
                 self.transport.progress()
                 self._settle()
             self.transport.progress()
             self._settle()
+            took = time.monotonic() - start
+            if took > 5e-3:
+                self.slow_iterations.append(took)
 
     def _take(self, timeout: float) -> None:
         """Move newly given commands into the line (waiting up to `timeout` for the first)."""

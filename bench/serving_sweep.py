@@ -100,9 +100,10 @@ def engine_stages(since: float) -> dict | None:
         client = borrow_client(30.0)
         if not getattr(client, "prefill", None):
             return None
-        p_rows, d_rows = ray.get([client.prefill[0].stage_times.remote(),
-                                  client.decode[0].stage_times.remote()], timeout=30)
-        return actor_stages(p_rows, d_rows, since)
+        p_rows, d_rows, diag = ray.get([client.prefill[0].stage_times.remote(),
+                                        client.decode[0].stage_times.remote(),
+                                        client.prefill[0].diagnostics.remote()], timeout=30)
+        return {**actor_stages(p_rows, d_rows, since), "prefill_diagnostics": diag}
     except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the measured point
         return {"error": repr(e)[:300]}
 
