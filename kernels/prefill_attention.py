@@ -27,7 +27,9 @@ import triton.language as tl
 from kernels.paged import attend_paged_range
 
 
-@triton.jit
+# stride_bt (the block table's width: the batch's longest context) changes from step to
+# step: not specialized on, so it never triggers a new compile mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     Q, KCache, VCache, BlockTables, SeqLens, QueryStartLoc, Out, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
