@@ -41,6 +41,8 @@ class ColocatedClient:
     async def wait_ready(self, timeout_s: float) -> None:
         await asyncio.wait_for(asyncio.gather(*[a.load.remote() for a in self.actors]),
                                timeout_s)
+        await asyncio.gather(*[self.streams.subscribe(i, a, timeout_s)
+                               for i, a in enumerate(self.actors)])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:

@@ -81,6 +81,8 @@ class DisaggregatedClient:
         (pooled mode: every replica to the DistributedKVCache)."""
         async def ready() -> None:
             await asyncio.gather(*[a.load.remote() for a in self.prefill + self.decode])
+            await asyncio.gather(*[self.streams.subscribe((DECODE, i), d, timeout_s)
+                                   for i, d in enumerate(self.decode)])
             p_pools = await asyncio.gather(*[p.pool.remote() for p in self.prefill])
             if self.pooled:
                 await self._start_kv_cache(PoolDescriptor.decode(p_pools[0]))

@@ -18,6 +18,7 @@ Lifecycle of a request:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator, Hashable
@@ -47,12 +48,21 @@ class OutputStreams:
         """Make the request's queue; returns once the actor's stream to us is subscribed
         (raises what broke it, e.g. RayActorError, if that fails)."""
         self._queues[request_id] = (key, asyncio.Queue())
+        await self.subscribe(key, actor, timeout_s)
+
+    async def subscribe(self, key: Hashable, actor: Any, timeout_s: float = 60.0) -> None:
+        """Start reading `actor`'s stream to us unless a live reader does; wait until it holds
+        (clients call this for every engine when they start, so requests find it ready)."""
         reader = self._readers.get(key)
         loop = asyncio.get_running_loop()
         # A reader of another event loop is dead (tests run one loop after another).
         if reader is None or reader.done() or reader.get_loop() is not loop:
             self._subscribed[key] = loop.create_future()
-            self._readers[key] = loop.create_task(self._read(key, actor))
+            # A fresh context: the stream must not count as a child of the request that
+            # happened to start it (Ray keeps the calling task in a context variable, and
+            # cancelling a request cancels the Ray calls it made).
+            self._readers[key] = loop.create_task(self._read(key, actor),
+                                                  context=contextvars.Context())
         await asyncio.wait_for(asyncio.shield(self._subscribed[key]), timeout_s)
 
     def fail(self, request_id: str, error: BaseException) -> None:
