@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from transfer.base import KVTransport, Transfer, TransferError, TransferState
@@ -31,6 +31,12 @@ class _Wait:
     transfers: list[Transfer]
     future: Future
     on_end: Callable[[], None] | None = None
+    # Not yet seen DONE, last posted first: writes land about in order, so each check looks
+    # at the oldest few instead of every write of the prompt on every poll.
+    pending: list[Transfer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pending = self.transfers[::-1]
 
 
 class TransportPump:
@@ -126,9 +132,10 @@ class TransportPump:
 
     def _settle(self) -> None:
         for w in list(self._waits):
-            failed = next((t for t in w.transfers if t.state.finished
-                           and t.state is not TransferState.DONE), None)
-            done = all(t.state is TransferState.DONE for t in w.transfers)
+            while w.pending and w.pending[-1].state is TransferState.DONE:
+                w.pending.pop()
+            failed = w.pending[-1] if w.pending and w.pending[-1].state.finished else None
+            done = not w.pending
             if failed is None and not done:
                 continue
             self._waits.remove(w)

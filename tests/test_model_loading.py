@@ -44,8 +44,15 @@ def test_half_precision_runs_and_mostly_agrees_with_fp32(tiny_model_root, dtype)
     llm = LLM(src, dtype=dtype)
     assert llm.engine.kv_cache.dtype == getattr(torch, dtype)
     half = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
-    full = LLM(src).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
-    assert half[:3] == full[:3]  # rounding may change a later near-tie, not the first tokens
+    # Teacher-forced on half's own tokens, fp32 ranks every one of them at or next to its
+    # best: rounding only flips near-ties (a tiny random model has many, so comparing the
+    # two free-running sequences token by token was flaky).
+    fp32, top = LLM(src), SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    prompts = [PROMPT + half[:i] for i in range(len(half))]
+    for out, token in zip(fp32.generate(prompts, top), half, strict=True):
+        ranked = out.outputs[0].logprobs[0]
+        best = max(ranked.values())
+        assert token in ranked and best - ranked[token] < 0.05, (token, ranked)
 
 
 def test_missing_model_and_unsupported_architecture_are_clear_errors(tmp_path):

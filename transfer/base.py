@@ -51,6 +51,11 @@ class KVTransport(ABC):
         self.peers: dict[str, PoolDescriptor] = {}
         self._outgoing: dict[str, Transfer] = {}
         self._targets: dict[str, Transfer] = {}
+        # The unfinished ones of each, which progress() walks: owners release finished
+        # transfers late (a prefill waits for all of a prompt's 32+ writes), and walking every
+        # held one on each poll made the poll's cost grow with the backlog it should drain.
+        self._open_out: dict[str, Transfer] = {}
+        self._open_in: dict[str, Transfer] = {}
         # Messages that beat expect() (a fast peer), in arrival order (a late RENEW must not
         # hide the DONE): kept until expect() or the timeout.
         self._unclaimed: dict[str, tuple[float, list[Message]]] = {}
@@ -102,6 +107,7 @@ class KVTransport(ABC):
         t = Transfer(transfer_id, peer, Role.TARGET, now + self.timeout_s, lease,
                      lease_until=now + lease)
         self._targets[transfer_id] = t
+        self._open_in[transfer_id] = t
         for msg in self._unclaimed.pop(transfer_id, (0, []))[1]:
             self._apply(t, msg)
         return t
@@ -138,9 +144,10 @@ class KVTransport(ABC):
         """Forget `t` (aborting it if still running) and free its backend resources."""
         self.abort(t, "released while in flight")
         self._release(t)
-        table = self._targets if t.role is Role.TARGET else self._outgoing
-        if table.get(t.id) is t:
-            del table[t.id]
+        for table in ((self._targets, self._open_in) if t.role is Role.TARGET
+                      else (self._outgoing, self._open_out)):
+            if table.get(t.id) is t:
+                del table[t.id]
 
     def in_flight(self) -> int:
         return sum(not t.state.finished for d in (self._outgoing, self._targets)
@@ -160,11 +167,14 @@ class KVTransport(ABC):
             except MessageError as e:
                 log.warning("%s: dropped a message: %s", self.name, e)
         now = time.monotonic()
-        for t in list(self._outgoing.values()):
+        for tid, t in list(self._open_out.items()):
             if not t.state.finished:
                 self._advance(t, now)
-        for t in list(self._targets.values()):
             if t.state.finished:
+                del self._open_out[tid]
+        for tid, t in list(self._open_in.items()):
+            if t.state.finished:
+                del self._open_in[tid]
                 continue
             if now > t.lease_until:
                 self._end_target(t, TransferState.EXPIRED,
@@ -232,6 +242,7 @@ class KVTransport(ABC):
         t = Transfer(transfer_id or uuid.uuid4().hex, peer, role, now + self.timeout_s,
                      self.lease_s, next_renew=now + min(self.lease_s / 3, 0.05))
         self._outgoing[t.id] = t
+        self._open_out[t.id] = t
         early = [m for m in self._unclaimed.pop(t.id, (0, []))[1] if m.kind is MsgKind.ABORT]
         if early:  # the peer gave up already
             self._finish(t, TransferState.ABORTED, f"aborted by peer {peer}: {early[0].detail}")
