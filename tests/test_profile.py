@@ -25,7 +25,7 @@ def profile_path(tmp_path_factory, default_model_dir: str) -> Path:
     assert main(["profile", "--model", default_model_dir, "--device", "cpu", "-o", str(path),
                  "--prefill-tokens", "16,32,64,128,256,384,512", "--prefill-splits", "1,2,4",
                  "--decode-batches", "1,2,4,8,16", "--decode-contexts", "64,192,320,512",
-                 "--passes", "3", "--decode-steps", "2", "--quiet"]) == 0
+                 "--passes", "3", "--decode-steps", "4", "--quiet"]) == 0
     return path
 
 
