@@ -34,7 +34,7 @@ from actors.kv_push import KVPusher
 from actors.messages import KVDestination, PrefillResult
 from actors.pool_client import PumpKVCacheClient
 from actors.pool_index import prompt_keys
-from actors.transport_pump import open_pump
+from actors.transport_pump import ms_percentiles, open_pump
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
@@ -200,12 +200,8 @@ class PrefillActor:
 
     async def diagnostics(self) -> dict:
         """The pump's command lag and slow iterations, and the engine's step durations."""
-        steps = sorted(self.loop.step_times)
-        pick = (lambda q: round(steps[int(q * (len(steps) - 1))] * 1e3, 2)) if steps else None
-        return {"pump": self.pump.stats(), "steps": len(steps),
-                "step_p50_ms": pick(0.5) if pick else None,
-                "step_p90_ms": pick(0.9) if pick else None,
-                "step_max_ms": pick(1.0) if pick else None}
+        return {"pump": self.pump.stats(), "steps": len(self.loop.step_times),
+                **ms_percentiles("step", self.loop.step_times)}
 
     async def timeline(self) -> list[tuple[str, int, float]]:
         """Per-layer (\"computed\" | \"posted\", layer, time) marks of the pusher."""

@@ -66,10 +66,8 @@ class TransportPump:
 
     def stats(self) -> dict:
         """Percentiles of call() → run for event-less commands, and the slowest iterations."""
-        lag = sorted(self.call_lag)
-        pick = (lambda q: round(lag[int(q * (len(lag) - 1))] * 1e3, 2)) if lag else (lambda q: None)
-        return {"calls": len(lag), "call_lag_p50_ms": pick(0.5), "call_lag_p90_ms": pick(0.9),
-                "call_lag_max_ms": pick(1.0), "line_now": len(self._line),
+        return {"calls": len(self.call_lag), **ms_percentiles("call_lag", self.call_lag),
+                "line_now": len(self._line),
                 "slow_iterations_ms": sorted((round(x * 1e3, 1) for x in self.slow_iterations),
                                             reverse=True)[:10]}
 
@@ -147,6 +145,13 @@ class TransportPump:
                     f"{failed.error}"))
             else:
                 w.future.set_result(time.monotonic())
+
+
+def ms_percentiles(name: str, seconds) -> dict:
+    """{name_p50_ms, name_p90_ms, name_max_ms} of a collection of durations (None if empty)."""
+    v = sorted(seconds)
+    return {f"{name}_{label}_ms": round(v[int(q * (len(v) - 1))] * 1e3, 2) if v else None
+            for label, q in (("p50", 0.5), ("p90", 0.9), ("max", 1.0))}
 
 
 def open_pump(engine: Any, transport: str, timeout_s: float,
