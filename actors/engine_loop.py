@@ -101,7 +101,9 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopped = False
         self._load = self._snapshot()
-        self.step_times: collections.deque = collections.deque(maxlen=4096)  # diagnostics
+        # Diagnostics: (began, ended, waiting, running) of recent steps, monotonic seconds;
+        # idle gaps between steps while requests waited show up here, not in step durations.
+        self.step_log: collections.deque = collections.deque(maxlen=4096)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -190,9 +192,10 @@ class EngineLoop:
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             try:
-                began = time.monotonic()
+                began, sched = time.monotonic(), self.engine.scheduler
+                waiting, running = len(sched.waiting), len(sched.running)
                 outputs = self.engine.step(self.listener)
-                self.step_times.append(time.monotonic() - began)
+                self.step_log.append((began, time.monotonic(), waiting, running))
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the thread
                 logger.exception("engine step failed")
                 self._fail_all(EngineFailed(f"engine step failed: {e!r}"))

@@ -198,10 +198,16 @@ class PrefillActor:
         """(request id, called, prefilled, destination known, KV landed) of recent requests."""
         return list(self.stages)
 
-    async def diagnostics(self) -> dict:
-        """The pump's command lag and slow iterations, and the engine's step durations."""
-        return {"pump": self.pump.stats(), "steps": len(self.loop.step_times),
-                **ms_percentiles("step", self.loop.step_times)}
+    async def diagnostics(self, since: float | None = None) -> dict:
+        """The pump's command lag and slow iterations, and the engine's step durations; with
+        `since` (monotonic), also the raw step log (began, ended, waiting, running) of the
+        steps that began after it."""
+        log = list(self.loop.step_log)
+        out = {"pump": self.pump.stats(), "steps": len(log),
+               **ms_percentiles("step", [b - a for a, b, *_ in log])}
+        if since is not None:
+            out["step_log"] = [row for row in log if row[0] >= since]
+        return out
 
     async def timeline(self) -> list[tuple[str, int, float]]:
         """Per-layer (\"computed\" | \"posted\", layer, time) marks of the pusher."""

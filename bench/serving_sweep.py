@@ -95,15 +95,17 @@ def engine_stages(since: float) -> dict | None:
     try:
         import ray
 
-        from bench.disagg_probe import actor_stages
+        from bench.disagg_probe import actor_stages, timeline
         from bench.router_overhead import borrow_client
         client = borrow_client(30.0)
         if not getattr(client, "prefill", None):
             return None
         p_rows, d_rows, diag = ray.get([client.prefill[0].stage_times.remote(),
                                         client.decode[0].stage_times.remote(),
-                                        client.prefill[0].diagnostics.remote()], timeout=30)
-        return {**actor_stages(p_rows, d_rows, since), "prefill_diagnostics": diag}
+                                        client.prefill[0].diagnostics.remote(since)], timeout=30)
+        return {**actor_stages(p_rows, d_rows, since),
+                "prefill_diagnostics": {k: v for k, v in diag.items() if k != "step_log"},
+                "prefill_timeline": timeline(p_rows, diag["step_log"], since)}
     except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the measured point
         return {"error": repr(e)[:300]}
 
@@ -118,6 +120,7 @@ def sweep(opts: argparse.Namespace) -> int:
     rates = [float(r) for r in opts.rates.split(",")]
     result = {**run_header(opts, base, slo), "rates": rates,
               "settings": {"settle_s": settle, "window_s": opts.window, "timeout_s": opts.timeout,
+                           "rates_per_gpu": opts.per_gpu,
                            "stop_below": opts.stop_below, "budget_s": opts.budget_s,
                            "slo_lifetime_s": life},
               "definitions": SWEEP_DEFINITIONS, "configs": []}
@@ -149,6 +152,7 @@ def _sweep_config(dep: Deployment, entry: dict, args: dict, opts: argparse.Names
         warm_up(url, opts)
         stop, below = "", 0
         for k, rate in enumerate(rates):
+            rate = rate * dep.gpus if opts.per_gpu else rate
             needed = 2 * settle + opts.window + life + 10 + SHUTDOWN_S
             stop = stop or ("time budget" if time.monotonic() + needed > deadline else "")
             if stop:
@@ -265,6 +269,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     s = sub.choices["sweep"]
     s.add_argument("--configs", default="disagg:1:1,colo:2", help="disagg:P:D or colo:N, ...")
     s.add_argument("--rates", required=True, help="requests/s, ascending, comma-separated")
+    s.add_argument("--per-gpu", action="store_true", help="--rates are per GPU: each config "
+                   "runs them times its GPU count (configs of different sizes, same load/GPU)")
     s.add_argument("--window", type=float, default=12.0, help="measured seconds per rate")
     s.add_argument("--settle", type=float, help="unmeasured seconds of load before and after "
                    "the window (default: half the longest life of a request meeting the SLOs)")

@@ -74,6 +74,9 @@ def test_sweep_measures_every_rate_of_each_configuration(tmp_path: Path):
                 assert stages is None
             else:   # P's and D's own stamps of the run's requests
                 assert stages["queue_prefill"]["n"] > 0 and stages["landing"]["n"] > 0, stages
+                line = stages["prefill_timeline"]   # P's raw stamps and engine steps
+                assert len(line["requests"]) == stages["queue_prefill"]["n"]
+                assert line["steps"] and line["busy_ms"] > 0
     per = result["summary"]["configs"]
     assert set(per) == {"disagg:1:1", "colo:1"}
     for config in result["configs"]:
