@@ -35,6 +35,7 @@ from actors.messages import KVDestination, PrefillResult
 from actors.pool_client import PumpKVCacheClient
 from actors.pool_index import prompt_keys
 from actors.transport_pump import ms_percentiles, open_pump
+from kernels import compiles
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
@@ -201,12 +202,13 @@ class PrefillActor:
     async def diagnostics(self, since: float | None = None) -> dict:
         """The pump's command lag and slow iterations, and the engine's step durations; with
         `since` (monotonic), also the raw step log (began, ended, waiting, running) of the
-        steps that began after it."""
+        steps that began after it and the Triton kernels compiled since."""
         log = list(self.loop.step_log)
         out = {"pump": self.pump.stats(), "steps": len(log),
                **ms_percentiles("step", [b - a for a, b, *_ in log])}
         if since is not None:
             out["step_log"] = [row for row in log if row[0] >= since]
+            out["kernel_compiles"] = compiles.since(since)
         return out
 
     async def timeline(self) -> list[tuple[str, int, float]]:

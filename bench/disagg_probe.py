@@ -152,11 +152,12 @@ def actor_stages(p_rows: list, d_rows: list, since: float) -> dict:
     return {k: _stats(v) for k, v in stages.items()}
 
 
-def timeline(p_rows: list, step_log: list, since: float) -> dict:
+def timeline(p_rows: list, step_log: list, since: float, compiled: list = ()) -> dict:
     """P's raw timeline after `since`, in ms from it: each request's (called, prefilled, dest
     known, KV landed) and each engine step's (began, ended, waiting, running); plus the time P's
     engine sat between steps while a request it had been called for (2 ms earlier or more)
-    was not yet prefilled: time lost between the actor and its engine thread."""
+    was not yet prefilled: time lost between the actor and its engine thread; and the Triton
+    kernels P compiled meanwhile (time, name)."""
     ms = lambda t: round((t - since) * 1e3, 1)  # noqa: E731
     reqs = [(ms(c), ms(p), ms(d), ms(k)) for _, c, p, d, k in p_rows if c >= since]
     steps = [(ms(a), ms(b), w, r) for a, b, w, r in step_log if a >= since]
@@ -168,7 +169,8 @@ def timeline(p_rows: list, step_log: list, since: float) -> dict:
     return {"requests": reqs, "steps": steps,
             "busy_ms": round(sum(b - a for a, b, *_ in steps), 1),
             "idle_while_waiting_ms": round(sum(x for x in lost if x > 0), 1),
-            "longest_idle_while_waiting_ms": round(max(lost, default=0.0), 1)}
+            "longest_idle_while_waiting_ms": round(max(lost, default=0.0), 1),
+            "kernel_compiles": [(ms(t), name) for t, name in compiled]}
 
 
 if __name__ == "__main__":

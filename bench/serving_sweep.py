@@ -104,8 +104,10 @@ def engine_stages(since: float) -> dict | None:
                                         client.decode[0].stage_times.remote(),
                                         client.prefill[0].diagnostics.remote(since)], timeout=30)
         return {**actor_stages(p_rows, d_rows, since),
-                "prefill_diagnostics": {k: v for k, v in diag.items() if k != "step_log"},
-                "prefill_timeline": timeline(p_rows, diag["step_log"], since)}
+                "prefill_diagnostics": {k: v for k, v in diag.items()
+                                        if k not in ("step_log", "kernel_compiles")},
+                "prefill_timeline": timeline(p_rows, diag["step_log"], since,
+                                             diag["kernel_compiles"])}
     except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the measured point
         return {"error": repr(e)[:300]}
 

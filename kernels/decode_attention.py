@@ -46,7 +46,8 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 # otherwise compile a variant, ~1 s, each time one is first 1 or first a multiple of 16:
 # stalls in the middle of serving).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_pb", "stride_ph", "stride_ps",
-                               "stride_lb", "stride_lh"])
+                               "stride_lb", "stride_lh"],
+            do_not_specialize_on_alignment=["BlockTables", "SeqLens"])
 def _decode_stage1_kernel(
     Q, KCache, VCache, BlockTables, SeqLens, PartialOut, PartialLse, qk_scale, num_splits,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -82,7 +83,8 @@ def _decode_stage1_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps",
-                               "stride_lb", "stride_lh"])
+                               "stride_lb", "stride_lh"],
+            do_not_specialize_on_alignment=["SeqLens"])
 def _decode_stage2_kernel(
     PartialOut, PartialLse, SeqLens, Out, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,

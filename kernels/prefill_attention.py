@@ -28,8 +28,12 @@ from kernels.paged import attend_paged_range
 
 
 # stride_bt (the block table's width: the batch's longest context) changes from step to
-# step: not specialized on, so it never triggers a new compile mid-serving.
-@triton.jit(do_not_specialize=["stride_bt"])
+# step: not specialized on, so it never triggers a new compile mid-serving. Nor is the
+# alignment of the metadata pointers: the backend passes them sliced past the step's decode
+# rows, so whether they are 16-byte aligned changes with the batch (a ~1 s compile on the
+# first unaligned step); they are read a scalar at a time, so alignment buys nothing.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["BlockTables", "SeqLens", "QueryStartLoc"])
 def _prefill_kernel(
     Q, KCache, VCache, BlockTables, SeqLens, QueryStartLoc, Out, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,

@@ -12,7 +12,7 @@ from pd_cluster.output_processor import OutputProcessor
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
@@ -43,6 +43,27 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None   # launched, tokens not yet recorded
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
+        if self.runner.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run a few throwaway requests through every kind of step serving will take, so
+        that no kernel compiles mid-serving (about a second each, which a loaded engine
+        turns into a queue): a full-budget prompt chunk, a 1-token prompt tail (which takes
+        the decode path), prefills next to 1..4 decodes, decode-only batches. Leaves no
+        blocks held, an empty prefix cache and zeroed counters."""
+        budget = self.scheduler.max_num_batched_tokens
+        vocab = self.model_cfg.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        lengths = [min(budget + 1, self.max_model_len - 8), budget // 2 + 3, 33, 17, 5]
+        for n, length in enumerate(lengths):
+            ids = [(7919 * i + n) % vocab for i in range(length)]
+            self.add_request(ids, params, request_id=f"warm-up-{n}")
+            self.step()
+        while self.has_unfinished():
+            self.step()
+        self.kv.pool.reset_prefix_cache()
+        self.scheduler.stats = SchedulerStats()
 
     @property
     def kv_cache(self):

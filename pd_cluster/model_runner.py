@@ -82,6 +82,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = select_backend(config, self.device)
         ops.use_triton(self.backend.name == "triton")
+        if self.backend.name == "triton":
+            from kernels import compiles
+            compiles.watch()
         self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
                                 config.load_format, config.seed)
         self.kv_layout = KVLayout(model=model_name, dtype=str(self.dtype).removeprefix("torch."),
