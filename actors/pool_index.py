@@ -51,7 +51,8 @@ class BlockIndex:
         """Up to n blocks, evicting unpinned cached blocks (oldest first) when none are free."""
         while len(self.free_ids) < n and self._evict_one():
             pass
-        taken, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        # Ascending, so neighbours merge into one transfer descriptor (see BlockPool.allocate).
+        taken, self.free_ids = sorted(self.free_ids[:n]), self.free_ids[n:]
         return taken
 
     def _evict_one(self) -> bool:

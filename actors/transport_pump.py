@@ -71,6 +71,8 @@ class TransportPump:
         return {"calls": len(self.call_lag), **ms_percentiles("call_lag", self.call_lag),
                 **ms_percentiles("progress", self.progress_times),
                 "line_now": len(self._line),
+                "runs_per_request": round(self.transport.posted_runs / self.transport.posted, 1)
+                if getattr(self.transport, "posted", 0) else None,
                 "slow_iterations_ms": sorted((round(x * 1e3, 1) for x in self.slow_iterations),
                                             reverse=True)[:10]}
 

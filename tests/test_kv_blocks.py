@@ -76,3 +76,16 @@ def test_shared_blocks_are_ref_counted():
     assert kv.num_free_blocks == 8 - 3       # shared blocks still held by b
     kv.free(b)
     assert kv.num_free_blocks == 8
+
+
+def test_reused_blocks_come_back_as_one_ascending_run():
+    """A request's new blocks are handed out in ascending order, so a range freed tail first
+    (as the manager frees) and reused stays contiguous: one KV transfer descriptor per layer
+    instead of one per block."""
+    kv = KVCacheManager(num_blocks=60, block_size=4)
+    for i in range(10):                       # wraps the pool around twice
+        req = _req(f"r{i}", range(100 * i, 100 * i + 60))   # 15 blocks
+        _run_prefill(kv, req)
+        ids = req.block_ids
+        assert ids == list(range(ids[0], ids[0] + 15)), (i, ids)
+        kv.free(req)

@@ -42,6 +42,9 @@ class NixlTransport(KVTransport):
         self.telemetry = telemetry  # NIXL's per-transfer timings (get_xfer_telemetry), for benches
         self.progress_thread = progress_thread  # None: for GPU pools only (see _register)
         self.agent = None   # made at register(), once we know which memory it moves
+        # Requests posted and the descriptor runs in them (neighbouring blocks on both sides
+        # merge into one): runs per request is what the posting costs grow with.
+        self.posted = self.posted_runs = 0
         self._reg = self._local = None
         self._remote: dict[str, object] = {}  # peer → its prepped descriptor list
         self._stuck: list = []
@@ -104,6 +107,9 @@ class NixlTransport(KVTransport):
             self.agent.send_notif(t.peer, notice)
             t.handle = _NOTHING
             return
+        self.posted += 1
+        self.posted_runs += 1 + int(np.count_nonzero((np.diff(local) != 1)
+                                                     | (np.diff(remote) != 1)))
         op = "WRITE" if t.role is Role.WRITE else "READ"
         t.handle = self.agent.make_prepped_xfer(op, self._local, local, self._remote[t.peer],
                                                 remote, notice)
