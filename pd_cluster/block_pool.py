@@ -77,23 +77,36 @@ class BlockPool:
             block.ref_count += 1
 
     def allocate(self, n: int) -> list[Block]:
-        """Hand out `n` blocks for new content, evicting least recently freed cached blocks.
+        """Hand out `n` blocks for new content, in ascending id order, evicting cached blocks
+        about least recently freed first.
 
-        They come in ascending id order: requests free their blocks tail first, so the free
-        queue holds them descending, and handed out in that order every block of a reused
-        range would be its own KV transfer descriptor (NIXL merges only ascending neighbours):
-        128 per layer for a 2048-token prompt instead of 1, which saturated the prefill side's
-        transport thread once the pool had wrapped around once (~400 prompts on an H200).
+        Each KV transfer descriptor covers one run of consecutive blocks, so a request's blocks
+        should form few runs: one descriptor per layer instead of one per block (a 2048-token
+        prompt: 64 instead of 8,192, which saturated the prefill side's transport thread).
+        Taking blocks strictly in free-queue order scatters them once a pool has wrapped around
+        (requests free tail first, and a decode engine's one-at-a-time growth blocks interleave
+        with its prompt ranges). So each pick starts at the least recently freed block and takes
+        the free run around it, downwards first (a request's freed range is queued tail first);
+        the neighbours it takes were nearly always freed with it.
         """
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks, only {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            block = self.blocks[self._free.popitem(last=False)[0]]
+        ids: list[int] = []
+        while len(ids) < n:
+            first = next(iter(self._free))
+            lo = first
+            while lo - 1 in self._free and first - lo + 1 < n - len(ids):
+                lo -= 1
+            hi = first
+            while hi + 1 in self._free and hi - lo + 1 < n - len(ids):
+                hi += 1
+            for block_id in range(lo, hi + 1):
+                del self._free[block_id]
+            ids.extend(range(lo, hi + 1))
+        out = [self.blocks[i] for i in sorted(ids)]
+        for block in out:
             self._drop_hash(block)
             block.ref_count = 1
-            out.append(block)
-        out.sort(key=lambda b: b.block_id)
         return out
 
     def release(self, blocks: Sequence[Block]) -> None:
