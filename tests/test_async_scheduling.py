@@ -56,3 +56,21 @@ def test_async_scheduling_matches_one_step_at_a_time(tiny_model_root):
         assert (lp_a is None) == (lp_s is None)
         for a, s in zip(lp_a or [], lp_s or []):
             assert a.keys() == s.keys() and all(abs(a[k] - s[k]) < 1e-4 for k in a)
+
+
+def test_warm_up_leaves_no_trace(tiny_model_root):
+    """The throwaway requests that compile kernels before serving (run on GPU at start) leave
+    no request, no held block, no prefix-cache entry and no counted hit behind, and the
+    engine's answers afterwards are a fresh engine's."""
+    d = make_tiny_model("qwen3_qknorm", tiny_model_root)
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    fresh, warmed = (LLM(d, max_num_batched_tokens=16) for _ in range(2))
+    engine = warmed.engine
+    engine.warm_up()
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.kv.pool._by_hash
+    assert engine.scheduler.stats.prefix_queries == engine.scheduler.stats.prefix_hits == 0
+    assert ([o.outputs[0].token_ids for o in warmed.generate(prompts, greedy)]
+            == [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy)])
