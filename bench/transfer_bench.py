@@ -176,8 +176,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def post_overhead(args: argparse.Namespace, layout: KVLayout) -> dict:
     """Per-write fixed cost, in one process (no Ray): µs inside write() (the posting) and
-    inside wait() (polling until done), for one whole-prompt write and for 32 one-layer writes
-    posted back to back. Tiny --kv-heads/--head-dim make the bytes negligible on CPU."""
+    inside wait() (polling until done), for one whole-prompt write (its blocks contiguous, and
+    scattered: one descriptor per block) and for 32 one-layer writes posted back to back. Tiny
+    --kv-heads/--head-dim make the bytes negligible on CPU."""
     device = "cuda" if args.devices == "cuda" else "cpu"
     a, b = (make_transport(args.backend, timeout_s=120.0) for _ in range(2))
     a.register(layout.allocate(device), layout)
@@ -185,14 +186,19 @@ def post_overhead(args: argparse.Namespace, layout: KVLayout) -> dict:
     peer = a.connect(b.descriptor())
     b.connect(a.descriptor())
     blocks, out = list(range(layout.num_blocks)), {}
-    for name, ranges in (("whole_prompt", [range(layout.num_layers)]),
-                         ("per_layer", [range(i, i + 1) for i in range(layout.num_layers)])):
+    whole = [range(layout.num_layers)]
+    # Descending block ids on both sides: no two neighbours merge, one descriptor per block
+    # (what a pool that hands out blocks in free-queue order gave once it had wrapped).
+    for name, ranges, ids in (("whole_prompt", whole, blocks),
+                              ("whole_prompt_one_descriptor_per_block", whole, blocks[::-1]),
+                              ("per_layer", [range(i, i + 1) for i in range(layout.num_layers)],
+                               blocks)):
         post, wait = [], []
         for _ in range(args.warmup + args.iters):
             ts = []
             for r in ranges:
                 start = time.perf_counter()
-                ts.append(a.write(peer, blocks, blocks, r))
+                ts.append(a.write(peer, ids, ids, r))
                 post.append(time.perf_counter() - start)
             start = time.perf_counter()
             for t in ts:   # one thread holds both ends: progress the receiver too
