@@ -87,7 +87,8 @@ class BlockPool:
         (requests free tail first, and a decode engine's one-at-a-time growth blocks interleave
         with its prompt ranges). So each pick starts at the least recently freed block and takes
         the free run around it, downwards first (a request's freed range is queued tail first);
-        the neighbours it takes were nearly always freed with it.
+        the neighbours it takes were nearly always freed with it. The price: a cached block
+        next to an old one can be evicted before LRU order would have taken it.
         """
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks, only {len(self._free)} free")
