@@ -25,9 +25,11 @@ from bench.serving_app import (  # noqa: E402
 VALIDATE_DEFINITIONS = {
     "percentiles": "numpy percentiles over the measured requests, in the simulator and here",
     "tpot": "both: (last token - first token) / (output tokens - 1)",
-    "ttft": "simulator: arrival to the end of the prefill step of the last prompt chunk; it "
-            "leaves out the KV transfer, the router (HTTP, tokenization, routing) and the "
-            "first token's way to the client, which bench's TTFT (send to first text) holds",
+    "ttft": "simulator: arrival to the end of the prefill step of the last prompt chunk, plus "
+            "the profile's serving overhead when it has one (predicted.serving_overhead, "
+            "measured by `pd-cluster profile-serving`: the router, HTTP, tokenization and the "
+            "first token's way to the client); it leaves out the KV transfer, which bench's "
+            "TTFT (send to first text) holds",
     "tpot_difference": "the simulator's first token is at the end of prefill, so its TPOT holds "
                        "the KV transfer and the wait to join the decode batch, which bench's "
                        "TTFT holds instead",
@@ -114,6 +116,7 @@ def predict(opts: argparse.Namespace, engine, rate: float, out: Path) -> dict:
             "tpot_p50": median["tpot"], f"tpot_{q}": best["tpot"],
             "slo_attainment": best["attainment"], "goodput": best["goodput"],
             "goodput_per_gpu": best["goodput_per_gpu"], "limits": main["limits"],
+            "serving_overhead": main["serving_overhead"],
             "tune_table": (out / "table.txt").read_text(), "tune_results": main["results"]}
 
 

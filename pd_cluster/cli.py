@@ -1,4 +1,4 @@
-"""The `pd-cluster` command line: `generate`, `profile`, `tune` and `bench`."""
+"""The `pd-cluster` command line: `generate`, `profile`, `profile-serving`, `tune` and `bench`."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import json
 import sys
 
 from pd_cluster.benchmark.cli import add_bench
-from pd_cluster.tuning.cli import add_profile, add_tune
+from pd_cluster.tuning.cli import add_profile, add_profile_serving, add_tune
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     add_profile(sub)
+    add_profile_serving(sub)
     add_tune(sub)
     add_bench(sub)
     args = parser.parse_args(argv)

@@ -2,6 +2,9 @@
 streamed requests at 4/s; every metric is reported, and the goodput equals the SLO-meeting
 records over the duration, recomputed from the per-request records of the JSON report.
 
+`pd-cluster profile-serving` against the same server: the profile gains a serving overhead
+section, one median per prompt length, and tune's predicted TTFT moves up by that overhead.
+
 The server runs on a private local Ray (2 CPUs) on a free loopback port, as in
 tests/test_router_serve.py; it takes about a minute to load the model.
 """
@@ -14,6 +17,8 @@ import pytest
 
 pytest.importorskip("ray")
 from pd_cluster.cli import main  # noqa: E402
+from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES,  # noqa: E402
+                                       LatencyModel, Profile, ServingOverhead)
 from serve_run import serve_run  # noqa: E402
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
@@ -68,3 +73,38 @@ def test_concurrency_mode_and_a_tight_slo_lower_goodput(server: str, tmp_path: P
     report = json.loads(report_path.read_text())
     assert report["completed"] == 6
     assert report["slo_attainment"] == 0 and report["goodput"] == 0
+
+
+def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str,
+                                                                     tmp_path: Path):
+    # A synthetic CPU-like profile (the engine's own, measured one takes a minute to make):
+    # 0.2 ms per prompt token and 20 ms per step.
+    engine_only = tmp_path / "cpu.json"
+    Profile(machine={"cpu": "synthetic", "device": "cpu"},
+            model={"name": "SmolLM2-135M-Instruct", "kv_bytes_per_token": 46080},
+            date="2026-11-22T00:00:00+00:00",
+            engine={"block_size": 16, "kv_capacity_tokens": 100_000},
+            prefill=LatencyModel(PREFILL_FEATURES, [2e-4, 1e-8, 0.02]),
+            decode=LatencyModel(DECODE_FEATURES, [1e-7, 1e-3, 0.02])).save(engine_only)
+    measured = tmp_path / "cpu_served.json"
+    assert main(["profile-serving", "--profile", str(engine_only), "--url", server,
+                 "--lengths", "16,48", "--requests-per-length", "2", "--timeout", "120",
+                 "--quiet", "-o", str(measured)]) == 0
+    assert Profile.load(engine_only).serving_overhead is None     # -o: the input is kept
+    overhead = Profile.load(measured).serving_overhead
+    assert isinstance(overhead, ServingOverhead) and overhead.url == f"{server}/v1"
+    assert [s["prompt_tokens"] for s in overhead.samples] == [
+        pytest.approx(16, abs=8), pytest.approx(48, abs=16)]
+    for s in overhead.samples:
+        assert s["ttft_s"] > s["engine_s"] > 0.02
+        assert s["overhead_s"] == pytest.approx(s["ttft_s"] - s["engine_s"])
+    assert all(c >= 0 for c in overhead.coef) and overhead.seconds(32) > 0
+
+    def ttft(*extra: str) -> float:
+        out = tmp_path / f"tune{len(extra)}"
+        assert main(["tune", "--profile", str(measured), "--rate", "0.2", "--input-len", "32",
+                     "--output-len", "16", "--gpus", "1", "--ttft-slo", "60s",
+                     "--num-requests", "100", "--quiet", "-o", str(out), *extra]) == 0
+        return json.loads((out / "results.json").read_text())["results"][0]["ttft"]
+
+    assert ttft() == pytest.approx(ttft("--no-serving-overhead") + overhead.seconds(32))

@@ -1,6 +1,8 @@
 """`pd-cluster tune` on a synthetic H100-like profile (Llama-3.1-8B in bf16 on one H100):
 prompt-heavy work gets more prefill than decode instances, output-heavy work the reverse,
 a trickle of requests one colocated engine; the chart is a PNG that matplotlib reads back.
+A measured serving overhead moves every predicted TTFT by itself and leaves TPOT alone; old
+profile files, without one, still load.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 
 from pd_cluster.cli import main
 from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES, LatencyModel,
-                                       Profile, kv_bytes_per_token)
+                                       Profile, ServingOverhead, kv_bytes_per_token)
+from pd_cluster.tuning.serving import engine_seconds
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -104,3 +107,62 @@ def test_workload_file_of_lengths(h100_profile: Path, tmp_path: Path):
     results = tune(h100_profile, tmp_path / "out", "--workload", str(lengths), "--rate", "2",
                    "--gpus", "2")
     assert {r["config"] for r in results} == {"1P1D", "colocated x1", "colocated x2"}
+
+
+def overhead_of(samples: list[tuple[int, float]]) -> ServingOverhead:
+    return ServingOverhead.fit([{"prompt_tokens": n, "ttft_s": 0.0, "engine_s": 0.0,
+                                 "overhead_s": s} for n, s in samples],
+                               "http://test", "2026-11-22", 2048)
+
+
+def test_serving_overhead_fit_is_a_line_with_nonnegative_coefficients():
+    line = overhead_of([(n, 0.03 + 4e-6 * n) for n in (128, 512, 1024, 2048)])
+    assert line.coef == pytest.approx([0.03, 4e-6])
+    assert line.seconds(1000) == pytest.approx(0.034)
+    # Falling with length: the slope is pinned to 0 and the intercept is the mean.
+    falling = overhead_of([(128, 0.05), (2048, 0.03)])
+    assert falling.coef == pytest.approx([0.04, 0.0])
+    # A line through a negative intercept: the intercept is pinned to 0, the slope refit.
+    steep = overhead_of([(1000, 0.01), (2000, 0.03)])
+    assert steep.coef[0] == 0.0 and steep.coef[1] == pytest.approx(70 / 5e6)  # Σxy / Σx²
+
+
+def test_engine_time_of_a_lone_prompt_is_the_simulators_chunked_prefill(h100_profile: Path):
+    profile = Profile.load(h100_profile)
+    assert engine_seconds(profile, 512, 2048) == pytest.approx(profile.prefill_time(512, 512**2))
+    # 3000 tokens under a 2048 budget: a full chunk, then 952 tokens attending to all 3000.
+    assert engine_seconds(profile, 3000, 2048) == pytest.approx(
+        profile.prefill_time(2048, 2048**2) + profile.prefill_time(952, 3000**2 - 2048**2))
+
+
+def test_old_profile_files_load_without_an_overhead(tmp_path: Path):
+    profile = Profile.load(Path(__file__).parents[1] / "bench/results/pd_profile_h200.json")
+    assert profile.serving_overhead is None and profile.overhead_time(2048) == 0.0
+    profile.serving_overhead = overhead_of([(128, 0.03), (2048, 0.04)])
+    profile.save(tmp_path / "with.json")
+    again = Profile.load(tmp_path / "with.json")
+    assert again.serving_overhead == profile.serving_overhead
+    assert again.overhead_time(2048) == pytest.approx(0.04)
+
+
+def test_tune_adds_the_serving_overhead_to_ttft_only(h100_profile: Path, tmp_path: Path,
+                                                      capsys):
+    profile = Profile.load(h100_profile)
+    profile.serving_overhead = overhead_of([(128, 0.030), (2048, 0.045)])
+    with_overhead = tmp_path / "with.json"
+    profile.save(with_overhead)
+    args = ("--rate", "4", "--input-len", "2048", "--output-len", "64", "--gpus", "2")
+    shifted = {r["config"]: r for r in tune(with_overhead, tmp_path / "with", *args)}
+    assert "serving overhead: 29 ms + 0.00781 ms/token, measured through http://test" \
+        in capsys.readouterr().out
+    bare = {r["config"]: r for r in tune(with_overhead, tmp_path / "bare", *args,
+                                         "--no-serving-overhead")}
+    assert "serving overhead" not in capsys.readouterr().out
+    for config, r in bare.items():
+        # The overhead loads no engine: every request's TTFT moves by exactly its overhead.
+        assert shifted[config]["ttft"] == pytest.approx(r["ttft"] + 0.045), config
+        assert shifted[config]["tpot"] == pytest.approx(r["tpot"]), config
+    recorded = json.loads((tmp_path / "with" / "results.json").read_text())["serving_overhead"]
+    assert recorded["coef"] == pytest.approx(profile.serving_overhead.coef)
+    assert json.loads((tmp_path / "bare" / "results.json").read_text())["serving_overhead"] \
+        is None

@@ -1,9 +1,11 @@
-"""`pd-cluster profile` and `pd-cluster tune`: their arguments and what they print and write."""
+"""`pd-cluster profile`, `profile-serving` and `tune`: their arguments and what they print and
+write."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -69,6 +71,55 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_profile_serving(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile-serving", help="measure the serving overhead (TTFT beyond the "
+                       "engine) through a running server and add it to a profile")
+    p.add_argument("--profile", required=True, help="file written by `pd-cluster profile`")
+    p.add_argument("--url", required=True, help="server URL, with or without /v1")
+    p.add_argument("--model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key (default: $OPENAI_API_KEY)")
+    p.add_argument("--lengths", type=_ints, default=(128, 512, 1024, 2048),
+                   help="prompt lengths in tokens (default 128,512,1024,2048)")
+    p.add_argument("--requests-per-length", type=int, default=5, help="median taken")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the server's per-step token budget, to chunk prompts as it does")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    p.add_argument("-o", "--output", help="profile file to write (default: --profile)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_profile_serving)
+
+
+def _profile_serving(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pd_cluster.benchmark.cli import _first_model
+    from pd_cluster.benchmark.client import Endpoint
+    from pd_cluster.tuning.serving import measure_overhead
+
+    profile = Profile.load(args.profile)
+    for name in ("requests_per_length", "max_num_batched_tokens", "timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
+    lengths = tuple(sorted(set(args.lengths)))
+    if len(lengths) < 2:
+        raise ValueError("--lengths: need two lengths or more to fit a + b·tokens")
+    base = args.url.rstrip("/")
+    base = base if base.endswith("/v1") else f"{base}/v1"
+    model = args.model or asyncio.run(_first_model(base, args.api_key))
+    profile.serving_overhead = measure_overhead(
+        profile, Endpoint(base, model, args.api_key), lengths, args.requests_per_length,
+        args.max_num_batched_tokens, args.timeout, progress=not args.quiet)
+    for s in profile.serving_overhead.samples:
+        print(f"{s['prompt_tokens']:6d} tokens: TTFT {1e3 * s['ttft_s']:8.1f} ms = engine "
+              f"{1e3 * s['engine_s']:8.1f} ms + overhead {1e3 * s['overhead_s']:8.1f} ms")
+    print(profile.serving_overhead.describe())
+    output = args.output or args.profile
+    profile.save(output)
+    print(f"wrote {output}")
+    return 0
+
+
 def add_tune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="simulate P:D counts and recommend one for your SLOs")
     p.add_argument("--profile", required=True, help="file written by `pd-cluster profile`")
@@ -92,6 +143,8 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-requests", type=int, default=500, help="measured requests per run")
     p.add_argument("--no-colocated", action="store_true", help="only disaggregated candidates")
+    p.add_argument("--no-serving-overhead", action="store_true",
+                   help="leave out the profile's measured serving overhead (engine time only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output-dir", default="pd-tune", help="folder for the table, chart, "
                    "config snippets and results.json")
@@ -106,6 +159,8 @@ def _tune(args: argparse.Namespace) -> int:
     from pd_cluster.tuning.simulator import EngineLimits
 
     profile = Profile.load(args.profile)
+    if args.no_serving_overhead:
+        profile.serving_overhead = None
     workload = Workload.from_args(args.workload, args.input_len, args.output_len)
     slo = SLO.parse(args.ttft_slo, args.tpot_slo, args.slo_percentile)
     for name in ("gpus", "max_num_batched_tokens", "max_num_seqs", "num_requests"):
@@ -119,6 +174,8 @@ def _tune(args: argparse.Namespace) -> int:
     settings = SearchSettings(args.gpus, parse_rate(args.rate), args.num_requests,
                               args.burstiness, include_colocated=not args.no_colocated,
                               seed=args.seed)
+    if profile.serving_overhead:
+        print(profile.serving_overhead.describe())
     results = search(profile, limits, workload, slo, settings, progress=not args.quiet)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,6 +191,7 @@ def _tune(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps(
         {"slo": asdict(slo), "workload": workload.source, "rate": args.rate,
          "limits": asdict(limits), "profile": str(args.profile),
+         "serving_overhead": _overhead_row(profile),
          "results": [_row(c) for c in results]}, indent=1) + "\n")
     print(f"{title}\n\n{table}\n")
     if best.goodput <= 0:
@@ -145,6 +203,12 @@ def _tune(args: argparse.Namespace) -> int:
     print(f"wrote {out}/: table.txt, goodput_per_gpu.png, pd-args.yaml, helm-values.yaml, "
           "results.json")
     return 0
+
+
+def _overhead_row(profile: Profile) -> dict | None:
+    """What results.json records of the overhead the simulation added (None: none)."""
+    o = profile.serving_overhead
+    return {"coef": o.coef, "url": o.url, "date": o.date} if o else None
 
 
 def _device(profile: Profile) -> str:

@@ -8,7 +8,9 @@ DistServe's latency models, fitted by least squares on relative error:
 Σl is the linear layers' work, Σl² the attention's; Σctx is the KV read by decode attention,
 batch the per-sequence work, c the fixed cost of a forward pass (weights read, launches).
 A profile file is JSON: machine, model, dtype, date, engine settings, raw samples (each marked
-fit or held back), fitted coefficients and the fit's error on the held-back samples.
+fit or held back), fitted coefficients and the fit's error on the held-back samples, and,
+once `pd-cluster profile-serving` has measured it, the serving overhead: what a request's TTFT
+through the HTTP server holds beyond the engine's own steps (see `ServingOverhead`).
 """
 from __future__ import annotations
 
@@ -61,8 +63,11 @@ class LatencyModel:
         train = [s for s in samples if not s.held_out]
         if len(train) < len(features):
             raise ValueError(f"need at least {len(features)} fit samples, got {len(train)}")
-        coef = _nonneg_relative_lstsq(np.array([s.features for s in train], dtype=float),
-                                      np.array([s.seconds for s in train], dtype=float))
+        x = np.array([s.features for s in train], dtype=float)
+        y = np.array([s.seconds for s in train], dtype=float)
+        # Relative error (rows scaled by 1/y): step times span two orders of magnitude and
+        # small steps matter as much as large ones.
+        coef = _nonneg_lstsq(x / y[:, None], np.ones(len(y)))
         model = cls(features, coef, samples)
         held = [s for s in samples if s.held_out]
         if held:
@@ -71,18 +76,17 @@ class LatencyModel:
         return model
 
 
-def _nonneg_relative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
-    """Least squares on relative error (rows scaled by 1/y) with every coefficient >= 0.
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares x·coef ≈ y with every coefficient >= 0.
 
-    Relative, because step times span two orders of magnitude and small steps matter as much
-    as large ones; non-negative, because a negative cost would let the simulator schedule
-    work for free. A coefficient that comes out negative is pinned to zero and the rest refit.
+    Non-negative, because a negative cost would let the simulator schedule work (or serve a
+    request) for free. A coefficient that comes out negative is pinned to zero and the rest
+    refit.
     """
     free = list(range(x.shape[1]))
-    scaled = x / y[:, None]
     coef = np.zeros(x.shape[1])
     while free:
-        sol, *_ = np.linalg.lstsq(scaled[:, free], np.ones(len(y)), rcond=None)
+        sol, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
         if (sol >= 0).all():
             coef[free] = sol
             break
@@ -101,6 +105,37 @@ def decode_features(batch: int, sum_ctx: int) -> list[float]:
 
 
 @dataclass(slots=True)
+class ServingOverhead:
+    """Seconds a request's TTFT through the server holds beyond the engine's predicted steps
+    (HTTP, tokenization, router, Ray calls, streaming back): a + b·prompt_tokens.
+
+    Measured by `pd-cluster profile-serving` with lone requests, so nothing queued; `samples`
+    are its per-length medians: prompt_tokens, ttft_s, engine_s and overhead_s.
+    """
+
+    coef: list[float]                # [a seconds, b seconds per prompt token], both >= 0
+    samples: list[dict[str, float]]
+    url: str
+    date: str
+    max_num_batched_tokens: int      # the server's step budget: how engine_s was chunked
+
+    def seconds(self, prompt_tokens: int) -> float:
+        return self.coef[0] + self.coef[1] * prompt_tokens
+
+    def describe(self) -> str:
+        return (f"serving overhead: {1e3 * self.coef[0]:.3g} ms + {1e3 * self.coef[1]:.3g} "
+                f"ms/token, measured through {self.url}")
+
+    @classmethod
+    def fit(cls, samples: list[dict[str, float]], url: str, date: str,
+            max_num_batched_tokens: int) -> ServingOverhead:
+        """Least squares of overhead_s on prompt_tokens, both coefficients clipped to >= 0."""
+        x = np.array([[1.0, s["prompt_tokens"]] for s in samples])
+        return cls(_nonneg_lstsq(x, np.array([s["overhead_s"] for s in samples])), samples,
+                   url, date, max_num_batched_tokens)
+
+
+@dataclass(slots=True)
 class Profile:
     """What `pd-cluster profile` measured, and what `pd-cluster tune` simulates with."""
 
@@ -110,6 +145,7 @@ class Profile:
     engine: dict[str, Any]           # block_size, kv_capacity_tokens, max_num_batched_tokens
     prefill: LatencyModel
     decode: LatencyModel
+    serving_overhead: ServingOverhead | None = None    # None: not measured (or ignored)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -120,6 +156,10 @@ class Profile:
 
     def decode_time(self, batch: int, sum_ctx: float) -> float:
         return self.decode.predict((sum_ctx, batch, 1.0))
+
+    def overhead_time(self, prompt_tokens: int) -> float:
+        """Serving overhead of one request; 0 when the profile has none."""
+        return self.serving_overhead.seconds(prompt_tokens) if self.serving_overhead else 0.0
 
     def save(self, path: str | Path) -> None:
         data = {"version": PROFILE_VERSION, **asdict(self)}
@@ -136,8 +176,11 @@ class Profile:
             data = json.loads(path.read_text())
             if data.get("version") != PROFILE_VERSION:
                 raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+            # serving_overhead is optional: files written before it existed load without it.
+            overhead = data.get("serving_overhead")
             return cls(data["machine"], data["model"], data["date"], data["engine"],
-                       _model_from_dict(data["prefill"]), _model_from_dict(data["decode"]))
+                       _model_from_dict(data["prefill"]), _model_from_dict(data["decode"]),
+                       ServingOverhead(**overhead) if overhead else None)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: not a pd-cluster profile ({e})") from e
 

@@ -11,6 +11,8 @@ Colocated: the router queues a request on the engine with the least work; each e
 runs its decodes first, then fills the rest of the token budget with prefill chunks.
 
 Step times come from the profile's fitted models. Counts are simulated, contents are not.
+The profile's serving overhead (HTTP, router, Ray calls; measured, a function of the prompt
+length) is added to each request's TTFT and end-to-end time, so TPOT keeps the engine's.
 """
 from __future__ import annotations
 
@@ -69,10 +71,11 @@ class SimRequest:
     finish: float = math.nan
     prefilled: int = 0                  # prompt tokens computed so far
     home: int = -1                      # its decode instance (or colocated engine)
+    overhead: float = 0.0               # serving path outside the engine, seconds
 
     @property
     def ttft(self) -> float:
-        return self.first_token - self.arrival
+        return self.first_token - self.arrival + self.overhead
 
     @property
     def tpot(self) -> float:
@@ -217,7 +220,7 @@ class Simulator:
         if too_long > self.limits.kv_capacity_tokens:
             raise ValueError(f"a request of {too_long} tokens exceeds the KV capacity of "
                              f"{self.limits.kv_capacity_tokens} tokens per instance")
-        self.requests = [SimRequest(n, float(t), i, o)
+        self.requests = [SimRequest(n, float(t), i, o, overhead=self.profile.overhead_time(i))
                          for n, (t, (i, o)) in enumerate(zip(arrivals, lengths))]
         for req in self.requests:
             self._push(req.arrival, EventKind.ARRIVAL, req.index)
