@@ -55,7 +55,9 @@ class LLMEngine:
         budget = self.scheduler.max_num_batched_tokens
         vocab = self.model_cfg.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        lengths = [min(budget + 1, self.max_model_len - 8), budget // 2 + 3, 33, 17, 5]
+        # Fits the context and the pool with room for all five (a small pool, a short context).
+        room = min(self.max_model_len, self.kv.num_blocks * self.config.block_size // 2) - 8
+        lengths = [min(budget + 1, room), min(budget // 2 + 3, room // 2), 33, 17, 5]
         for n, length in enumerate(lengths):
             ids = [(7919 * i + n) % vocab for i in range(length)]
             self.add_request(ids, params, request_id=f"warm-up-{n}")
