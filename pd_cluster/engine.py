@@ -55,9 +55,9 @@ class LLMEngine:
         budget = self.scheduler.max_num_batched_tokens
         vocab = self.model_cfg.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        # Fits the context and the pool with room for all five (a small pool, a short context).
+        # Each fits the context and half the pool (a small pool, a short context).
         room = min(self.max_model_len, self.kv.num_blocks * self.config.block_size // 2) - 8
-        lengths = [min(budget + 1, room), min(budget // 2 + 3, room // 2), 33, 17, 5]
+        lengths = [min(n, room) for n in (budget + 1, budget // 2 + 3, 33, 17, 5)]
         for n, length in enumerate(lengths):
             ids = [(7919 * i + n) % vocab for i in range(length)]
             self.add_request(ids, params, request_id=f"warm-up-{n}")
