@@ -18,8 +18,10 @@ and goes on with one of these (about 8 minutes each):
     python3 bench/serving_sweep.py sweep $S --configs disagg:1:1,colo:2 --rates 3,6,9,12 \
       --input-len 512 --output-len 512 -o $OUT/balanced 2>&1 | tee $OUT/balanced.log
     # 3. tune's recommendation for 2 GPUs at rate R, measured at R (PROFILE from
-    #    `python3 -m pd_cluster.cli profile --model $M --dtype bfloat16 -o PROFILE`, one GPU)
+    #    `python3 -m pd_cluster.cli profile --model $M --dtype bfloat16 -o PROFILE`, one GPU;
+    #    the serving overhead is measured first, on the recommended config, and tune rerun)
     python3 bench/serving_sweep.py validate $S --profile PROFILE --rates R --gpus 2 \
+      --serving-overhead-lengths 128,512,1024,2048 \
       --input-len 2048 --output-len 256 -o $OUT/validate 2>&1 | tee $OUT/validate.log
 
 SLOs default to issue 9's: TTFT and TPOT p90 within 1 s and 25 ms. A configuration is
@@ -290,6 +292,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v.add_argument("--tune-requests", type=int, default=500, help="tune's measured requests")
     v.add_argument("--requests", type=int, default=200, help="bench's measured requests")
     v.add_argument("--tolerance", type=float, default=0.15)
+    v.add_argument("--serving-overhead-lengths", metavar="N,N,...", help="first measure the "
+                   "serving overhead (`pd-cluster profile-serving`) at these prompt lengths on "
+                   "the recommended config, unless the profile has one; tune then uses it")
     v.set_defaults(func=validate)
     c = sub.add_parser("chart", help="redraw sweep.png beside a sweep.json")
     c.add_argument("sweep_json")

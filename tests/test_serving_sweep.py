@@ -147,9 +147,13 @@ def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profil
     out = tmp_path / "validate"
     serving_sweep.main(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "1",
                         "--requests", "6", "--tune-requests", "50", *LOAD,
-                        "--ttft-slo", "2s", "--tpot-slo", "500ms", "-o", str(out)])
+                        "--ttft-slo", "2s", "--tpot-slo", "500ms",
+                        "--serving-overhead-lengths", "16,64", "-o", str(out)])
     result = json.loads((out / "validate.json").read_text())
     assert "errors" not in result, result["errors"]
+    # The overhead was measured on the served config and tune reran with it.
+    assert result["profile"] == "cpu_serving.json"
+    assert Profile.load(out / "cpu_serving.json").serving_overhead is not None
     assert set(result["definitions"]) >= {"ttft", "tpot", "goodput", "warm_up"}
     [point] = result["points"]
     assert point["config"] == "colo:1" and point["rate"] == 2.0    # one GPU: colocated only
@@ -168,6 +172,7 @@ def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profil
             assert check["within"] == (abs(err) <= 0.15)
     assert point["pass"] == all(c["within"] for c in point["checks"].values())
     assert predicted["ttft_p50"] <= predicted["ttft_p90"]
+    assert predicted["serving_overhead"] is not None
     assert measured["goodput"] in (0.0, pytest.approx(measured["slo_attainment"] * 2.0))
     assert point["diagnosis"]["profile_decode_step_s"] > 0
     assert math.isfinite(point["diagnosis"]["decode_batch_per_instance"])

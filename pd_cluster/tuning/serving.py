@@ -23,8 +23,10 @@ from pd_cluster.tuning.profile import Profile, ServingOverhead
 from pd_cluster.tuning.simulator import ClusterSpec, EngineLimits, Simulator
 
 WARM_UP_REQUESTS = 2
-# Two tokens: the first is the one timed; a second makes it a real decode request, as served.
-MAX_TOKENS = 2
+# The first text is the one timed; more tokens make it a real decode request, as served, and
+# give a model with random weights room to print: its first tokens may be pieces of one UTF-8
+# character, which stream no text until it is whole.
+MAX_TOKENS = 16
 
 
 def engine_seconds(profile: Profile, prompt_tokens: int, max_num_batched_tokens: int) -> float:
