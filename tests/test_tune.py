@@ -6,6 +6,7 @@ profile files, without one, still load.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +15,9 @@ import pytest
 from pd_cluster.cli import main
 from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES, LatencyModel,
                                        Profile, ServingOverhead, kv_bytes_per_token)
-from pd_cluster.tuning.serving import engine_seconds
+from pd_cluster.tuning.serving import (climb, engine_seconds, fit_prefill_scale,
+                                       simulated_ttfts)
+from pd_cluster.tuning.simulator import ClusterSpec
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -135,6 +138,29 @@ def test_engine_time_of_a_lone_prompt_is_the_simulators_chunked_prefill(h100_pro
         profile.prefill_time(2048, 2048**2) + profile.prefill_time(952, 3000**2 - 2048**2))
 
 
+@pytest.mark.parametrize("served", [ClusterSpec(0, 1), ClusterSpec(1, 1), ClusterSpec(2, 1)])
+def test_prefill_scale_is_recovered_from_a_bursts_climb(h100_profile: Path, served: ClusterSpec):
+    # A server whose prefill steps take 1.3x the profiled ones, 40 ms of overhead on each TTFT.
+    profile = Profile.load(h100_profile)
+    prompts = [(2049, 16)] * 8
+    served_ttfts = simulated_ttfts(profile, served, prompts, 2048, scale=1.3) + 0.04
+    assert climb(served_ttfts) > climb(simulated_ttfts(profile, served, prompts, 2048))
+    assert fit_prefill_scale(profile, served, 2049, 8, climb(served_ttfts), 2048) == \
+        pytest.approx(1.3, rel=1e-3)
+
+
+def test_prefill_scale_multiplies_every_simulated_prefill_step(h100_profile: Path):
+    profile = Profile.load(h100_profile)
+    bare = profile.prefill_time(2048, 2048**2)
+    profile.serving_overhead = dataclasses.replace(overhead_of([(128, 0.0), (2048, 0.0)]),
+                                                   prefill_scale=1.5)
+    assert profile.prefill_time(2048, 2048**2) == pytest.approx(1.5 * bare)
+    # profile-serving's engine time takes the scale it is given, not the profile's own.
+    bare_profile = dataclasses.replace(profile, serving_overhead=None)
+    assert engine_seconds(profile, 2048, 2048) == pytest.approx(bare)
+    assert engine_seconds(bare_profile, 2048, 2048, 1.5) == pytest.approx(1.5 * bare)
+
+
 def test_old_profile_files_load_without_an_overhead(tmp_path: Path):
     profile = Profile.load(Path(__file__).parents[1] / "bench/results/pd_profile_h200.json")
     assert profile.serving_overhead is None and profile.overhead_time(2048) == 0.0
@@ -153,7 +179,8 @@ def test_tune_adds_the_serving_overhead_to_ttft_only(h100_profile: Path, tmp_pat
     profile.save(with_overhead)
     args = ("--rate", "4", "--input-len", "2048", "--output-len", "64", "--gpus", "2")
     shifted = {r["config"]: r for r in tune(with_overhead, tmp_path / "with", *args)}
-    assert "serving overhead: 29 ms + 0.00781 ms/token, measured through http://test" \
+    assert "serving overhead: 29 ms + 0.00781 ms/token, prefill steps x1, measured " \
+        "through http://test" \
         in capsys.readouterr().out
     bare = {r["config"]: r for r in tune(with_overhead, tmp_path / "bare", *args,
                                          "--no-serving-overhead")}

@@ -82,6 +82,10 @@ def add_profile_serving(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", type=_ints, default=(128, 512, 1024, 2048),
                    help="prompt lengths in tokens (default 128,512,1024,2048)")
     p.add_argument("--requests-per-length", type=int, default=5, help="median taken")
+    p.add_argument("--burst-size", type=int, default=8, help="prompts of the longest length "
+                   "sent at once, to measure served prefill steps against profiled ones "
+                   "(1: skip; the steps stay as profiled)")
+    p.add_argument("--bursts", type=int, default=3, help="bursts sent, median taken")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the server's per-step token budget, to chunk prompts as it does")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
@@ -98,7 +102,8 @@ def _profile_serving(args: argparse.Namespace) -> int:
     from pd_cluster.tuning.serving import measure_overhead
 
     profile = Profile.load(args.profile)
-    for name in ("requests_per_length", "max_num_batched_tokens", "timeout"):
+    for name in ("requests_per_length", "burst_size", "bursts", "max_num_batched_tokens",
+                 "timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
     lengths = tuple(sorted(set(args.lengths)))
@@ -109,7 +114,13 @@ def _profile_serving(args: argparse.Namespace) -> int:
     model = args.model or asyncio.run(_first_model(base, args.api_key))
     profile.serving_overhead = measure_overhead(
         profile, Endpoint(base, model, args.api_key), lengths, args.requests_per_length,
-        args.max_num_batched_tokens, args.timeout, progress=not args.quiet)
+        args.max_num_batched_tokens, args.timeout, progress=not args.quiet,
+        burst_size=args.burst_size, bursts=args.bursts)
+    if b := profile.serving_overhead.burst:
+        print(f"bursts of {b['size']} x {b['prompt_tokens']} tokens on {b['served']}: TTFT "
+              f"climbs {1e3 * b['climb_s']:.1f} ms per prompt, the profile's steps "
+              f"{1e3 * b['profiled_climb_s']:.1f} ms: prefill steps "
+              f"x{profile.serving_overhead.prefill_scale:.3g}")
     for s in profile.serving_overhead.samples:
         print(f"{s['prompt_tokens']:6d} tokens: TTFT {1e3 * s['ttft_s']:8.1f} ms = engine "
               f"{1e3 * s['engine_s']:8.1f} ms + overhead {1e3 * s['overhead_s']:8.1f} ms")
@@ -208,7 +219,8 @@ def _tune(args: argparse.Namespace) -> int:
 def _overhead_row(profile: Profile) -> dict | None:
     """What results.json records of the overhead the simulation added (None: none)."""
     o = profile.serving_overhead
-    return {"coef": o.coef, "url": o.url, "date": o.date} if o else None
+    return {"coef": o.coef, "prefill_scale": o.prefill_scale, "url": o.url,
+            "date": o.date} if o else None
 
 
 def _device(profile: Profile) -> str:
