@@ -184,6 +184,8 @@ def summary(configs: list[dict], percentile: float) -> dict:
         per[c["config"]] = {
             "max_rate_meeting_slo": max((p["rate"] for p in ok), default=None),
             "goodput_per_gpu_meeting_slo": max((p["goodput_per_gpu"] for p in ok), default=0.0),
+            # Its highest rate measured met the SLOs: the real limit is that or above.
+            "lower_bound": bool(c["points"]) and c["points"][-1]["slo_attained"],
             "crossing_rate": crossing,
             "crossing_rate_per_gpu": None if crossing is None else crossing / c["gpus"]}
     ratios = {}
@@ -193,9 +195,15 @@ def summary(configs: list[dict], percentile: float) -> dict:
             ratios[f"{d} / {c}"] = {
                 "goodput_per_gpu_meeting_slo": a["goodput_per_gpu_meeting_slo"]
                 / b["goodput_per_gpu_meeting_slo"] if b["goodput_per_gpu_meeting_slo"] else None,
+                "bound": RATIO_BOUND[a["lower_bound"], b["lower_bound"]],
                 "crossing_rate_per_gpu": a["crossing_rate_per_gpu"] / b["crossing_rate_per_gpu"]
                 if a["crossing_rate_per_gpu"] and b["crossing_rate_per_gpu"] else None}
     return {"configs": per, "disagg_over_colocated": ratios}
+
+
+# What the goodput ratio is, by which side met the SLOs at its highest measured rate.
+RATIO_BOUND = {(False, False): "exact", (True, False): "at least", (False, True): "at most",
+               (True, True): "unknown: neither side reached its limit"}
 
 
 def _crossing(points: list[dict], target: float) -> float | None:

@@ -194,3 +194,21 @@ def test_summary_interpolates_where_attainment_crosses_the_percentile():
     ratio = result["disagg_over_colocated"]["disagg:1:1 / colo:2"]
     assert ratio["goodput_per_gpu_meeting_slo"] == pytest.approx(0.95 * 8 / 4)
     assert ratio["crossing_rate_per_gpu"] == pytest.approx(9 / 4.8)
+    assert not disagg["lower_bound"] and not colo["lower_bound"] and ratio["bound"] == "exact"
+
+
+def test_summary_marks_a_limit_no_rate_reached_as_a_lower_bound():
+    # colo:2 met the SLOs at every rate it ran (its higher rates skipped for time): its limit
+    # is at least 14, so disaggregated over colocated is at most the ratio computed.
+    def point(rate: float, attainment: float) -> dict:
+        return {"rate": rate, "slo_attainment": attainment, "slo_attained": attainment >= 0.9,
+                "goodput_per_gpu": attainment * rate / 2}
+    configs = [{"config": "disagg:1:1", "gpus": 2, "points": [point(6, 1.0), point(10, 0.5)]},
+               {"config": "colo:2", "gpus": 2, "points": [point(6, 1.0), point(14, 1.0)]}]
+    result = serving_sweep.summary(configs, 90.0)
+    assert result["configs"]["colo:2"]["lower_bound"]
+    assert not result["configs"]["disagg:1:1"]["lower_bound"]
+    assert result["disagg_over_colocated"]["disagg:1:1 / colo:2"]["bound"] == "at most"
+    configs[0]["points"].pop()          # disagg also stopped while still meeting them
+    assert serving_sweep.summary(configs, 90.0)["disagg_over_colocated"][
+        "disagg:1:1 / colo:2"]["bound"].startswith("unknown")
