@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 from pd_cluster.tuning.slo import SLO  # noqa: E402
 from bench.serving_app import (  # noqa: E402
     app_args, bench, compact, Deployment, kv_capacity, kv_transfer, lifetime, point_stats,
-    run_header, scrape, serving, SHUTDOWN_S, slo_of, wait_idle, warm_up, whole_run,
-    write_json)
+    RECORD_COLUMNS, run_header, scrape, serving, SHUTDOWN_S, slo_of, wait_idle, warm_up,
+    whole_run, write_json)
 from bench.serving_validate import validate  # noqa: E402
 
 SWEEP_DEFINITIONS = {
@@ -188,14 +188,21 @@ def summary(configs: list[dict], percentile: float) -> dict:
             "lower_bound": bool(c["points"]) and c["points"][-1]["slo_attained"],
             "crossing_rate": crossing,
             "crossing_rate_per_gpu": None if crossing is None else crossing / c["gpus"]}
-    ratios = {}
+    ratios, by_name = {}, {c["config"]: c for c in configs}
     for d in (k for k in per if k.startswith("disagg")):
         for c in (k for k in per if k.startswith("colo")):
             a, b = per[d], per[c]
+            ratio = a["goodput_per_gpu_meeting_slo"] / b["goodput_per_gpu_meeting_slo"] \
+                if b["goodput_per_gpu_meeting_slo"] else None
+            bound = RATIO_BOUND[a["lower_bound"], b["lower_bound"]]
+            lowest = min((p["rate"] / by_name[c]["gpus"] for p in by_name[c]["points"]),
+                         default=None)
+            if ratio is None and lowest and a["goodput_per_gpu_meeting_slo"]:
+                # Colocated met them at no rate measured: its limit is below the lowest one.
+                ratio, bound = a["goodput_per_gpu_meeting_slo"] / lowest, \
+                    "more than: colocated met the SLOs at no rate measured (its lowest used)"
             ratios[f"{d} / {c}"] = {
-                "goodput_per_gpu_meeting_slo": a["goodput_per_gpu_meeting_slo"]
-                / b["goodput_per_gpu_meeting_slo"] if b["goodput_per_gpu_meeting_slo"] else None,
-                "bound": RATIO_BOUND[a["lower_bound"], b["lower_bound"]],
+                "goodput_per_gpu_meeting_slo": ratio, "bound": bound,
                 "crossing_rate_per_gpu": a["crossing_rate_per_gpu"] / b["crossing_rate_per_gpu"]
                 if a["crossing_rate_per_gpu"] and b["crossing_rate_per_gpu"] else None}
     return {"configs": per, "disagg_over_colocated": ratios}
@@ -256,6 +263,35 @@ def chart(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def rejudge(opts: argparse.Namespace) -> int:
+    """The same measured requests judged under other SLOs: each point's attainment, goodput
+    and the summary again, from its per-request records (no new run)."""
+    src = Path(opts.sweep_json)
+    result = json.loads(src.read_text())
+    slo = slo_of(opts)
+    result["rejudged_from"] = {"file": src.name, "slo_text": result["slo_text"]}
+    result["slo"] = {"ttft": slo.ttft, "tpot": slo.tpot, "percentile": slo.percentile}
+    result["slo_text"] = str(slo)
+    met_column = RECORD_COLUMNS.index("met_slo")
+    for config in result["configs"]:
+        for point in config["points"]:
+            rows = [dict(zip(RECORD_COLUMNS, r)) for r in point["records"]]
+            met = [bool(r["ok"]) and slo.met(r["ttft"], r["tpot"] or 0.0) for r in rows]
+            for record, ok in zip(point["records"], met):
+                record[met_column] = ok
+            attainment = sum(met) / len(met) if met else 0.0
+            point.update(slo_attainment=attainment, slo_attained=slo.attained(attainment),
+                         goodput=attainment * point["rate"],
+                         goodput_per_gpu=attainment * point["rate"] / config["gpus"])
+    out = Path(opts.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result["summary"] = summary(result["configs"], slo.percentile)
+    write_json(result, out)
+    chart(result, out.with_suffix(".png"))
+    print(json.dumps(result["summary"]["disagg_over_colocated"], indent=1))
+    return 0
+
+
 # -- validate ---------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -304,6 +340,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "serving overhead (`pd-cluster profile-serving`) at these prompt lengths on "
                    "the recommended config, unless the profile has one; tune then uses it")
     v.set_defaults(func=validate)
+    r = sub.add_parser("rejudge", help="a sweep.json's requests judged under other SLOs")
+    r.add_argument("sweep_json")
+    r.add_argument("--ttft-slo", default="1s")
+    r.add_argument("--tpot-slo", default="25ms")
+    r.add_argument("--slo-percentile", default="p90")
+    r.add_argument("-o", "--output", required=True, help="JSON to write (a PNG beside it)")
+    r.set_defaults(func=rejudge)
     c = sub.add_parser("chart", help="redraw sweep.png beside a sweep.json")
     c.add_argument("sweep_json")
     c.set_defaults(func=lambda a: chart(json.loads(Path(a.sweep_json).read_text()),

@@ -212,3 +212,34 @@ def test_summary_marks_a_limit_no_rate_reached_as_a_lower_bound():
     configs[0]["points"].pop()          # disagg also stopped while still meeting them
     assert serving_sweep.summary(configs, 90.0)["disagg_over_colocated"][
         "disagg:1:1 / colo:2"]["bound"].startswith("unknown")
+
+
+def test_rejudge_applies_other_slos_to_the_same_requests(tmp_path: Path):
+    # Two configs, one point each, ten requests: TPOT 6 ms for disagg, 12 ms for colocated.
+    def point(rate: float, gpus: int, tpot: float) -> dict:
+        rows = [dict(index=i, start=0.1 * i, ok=True, prompt_tokens=2048, output_tokens=256,
+                     ttft=0.2, tpot=tpot, e2e=0.2 + 255 * tpot, met_slo=True) for i in range(10)]
+        return {"rate": rate, "rate_per_gpu": rate / gpus, "slo_attainment": 1.0,
+                "slo_attained": True, "goodput": rate, "goodput_per_gpu": rate / gpus,
+                "ttft": {"p50": 0.2, "p90": 0.2}, "tpot": {"p50": tpot, "p90": tpot},
+                "records": [[r[c] for c in RECORD_COLUMNS] for r in rows]}
+    sweep = {"workload": "2048 -> 256", "slo_text": "TTFT <= 1000 ms and TPOT <= 25 ms for p90",
+             "slo": {"ttft": 1.0, "tpot": 0.025, "percentile": 90.0},
+             "configs": [{"config": "disagg:1:1", "gpus": 2, "points": [point(16, 2, 0.006)]},
+                         {"config": "colo:2", "gpus": 2, "points": [point(16, 2, 0.012)]}]}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    out = tmp_path / "tight" / "sweep_tpot10ms.json"
+    assert serving_sweep.main(["rejudge", str(tmp_path / "sweep.json"), "--tpot-slo", "10ms",
+                               "-o", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rejudged_from"]["file"] == "sweep.json"
+    assert result["slo"]["tpot"] == pytest.approx(0.010)
+    disagg, colo = (c["points"][0] for c in result["configs"])
+    assert disagg["slo_attained"] and disagg["goodput_per_gpu"] == 8.0
+    assert colo["slo_attainment"] == 0.0 and colo["goodput"] == 0.0
+    met = RECORD_COLUMNS.index("met_slo")
+    assert all(r[met] for r in disagg["records"]) and not any(r[met] for r in colo["records"])
+    # Colocated met the tighter SLO at no rate: the ratio is a bound from its lowest rate.
+    ratio = result["summary"]["disagg_over_colocated"]["disagg:1:1 / colo:2"]
+    assert ratio["goodput_per_gpu_meeting_slo"] == 1.0 and ratio["bound"].startswith("more than")
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)
