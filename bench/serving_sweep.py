@@ -31,7 +31,9 @@ overrides; a few unmeasured requests warm it up; then `pd-cluster bench` runs at
 with the router's /metrics scraped around it. The JSON is rewritten after every rate, so a
 run cut short keeps what it measured; `--budget-s` (default 470 s) skips rates that would
 not fit, and a configuration's higher rates are skipped once its SLO attainment was below
-`--stop-below` at two rates in a row. `chart` redraws sweep.png from a sweep.json.
+`--stop-below` at two rates in a row. `chart` redraws sweep.png from a sweep.json;
+`rejudge` judges a sweep.json's measured requests under other SLOs (e.g. `--tpot-slo 10ms`)
+without a new run.
 """
 from __future__ import annotations
 
