@@ -38,21 +38,30 @@ def test_dummy_weights_need_only_a_config(tmp_path, tiny_model_root):
         llm.generate("text needs a tokenizer", GREEDY)
 
 
+# Largest |log-prob difference| from fp32 on a token both rank in their top 5: about 80 unit
+# roundoffs of the dtype (bf16 2^-8, fp16 2^-11). Seen on 12 random tiny models: bf16 0.16,
+# fp16 0.018.
+HALF_TOLERANCE = {"bfloat16": 0.3, "float16": 0.04}
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_and_mostly_agrees_with_fp32(tiny_model_root, dtype):
     src = make_tiny_model("llama_gqa", tiny_model_root)
     llm = LLM(src, dtype=dtype)
     assert llm.engine.kv_cache.dtype == getattr(torch, dtype)
     half = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
-    # Teacher-forced on half's own tokens, fp32 ranks every one of them at or next to its
-    # best: rounding only flips near-ties (a tiny random model has many, so comparing the
-    # two free-running sequences token by token was flaky).
-    fp32, top = LLM(src), SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    # Teacher-forced on half's own tokens, both precisions score the same contexts. Rounding
+    # moves each log-prob by at most `tol`, so the token half picks is within 2 * tol of fp32's
+    # best: a random tiny model has many near-ties, and a free-running comparison was flaky.
+    tol, top = HALF_TOLERANCE[dtype], SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     prompts = [PROMPT + half[:i] for i in range(len(half))]
-    for out, token in zip(fp32.generate(prompts, top), half, strict=True):
-        ranked = out.outputs[0].logprobs[0]
-        best = max(ranked.values())
-        assert token in ranked and best - ranked[token] < 0.05, (token, ranked)
+    scored = zip(llm.generate(prompts, top), LLM(src).generate(prompts, top), half, strict=True)
+    for half_out, fp32_out, token in scored:
+        low, full = half_out.outputs[0].logprobs[0], fp32_out.outputs[0].logprobs[0]
+        shared = set(low) & set(full)
+        assert token in full, (token, full)
+        assert max(abs(low[t] - full[t]) for t in shared) < tol, (low, full)
+        assert max(full.values()) - full[token] < 2 * tol, (token, full)
 
 
 def test_missing_model_and_unsupported_architecture_are_clear_errors(tmp_path):
