@@ -106,7 +106,9 @@ def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str
     for s in overhead.samples:      # the synthetic profile is not this CPU: no sign asserted
         assert s["ttft_s"] > 0 and s["engine_s"] > 0
         assert s["overhead_s"] == pytest.approx(s["ttft_s"] - s["engine_s"])
-    assert all(c >= 0 for c in overhead.coef) and overhead.seconds(32) > 0
+    # Non-negative least squares: where the scaled steps already cover a lone TTFT (a CPU
+    # shared by Ray, Serve and the engine scales bursts more than lone prompts) it is zero.
+    assert all(c >= 0 for c in overhead.coef)
     for s in overhead.samples:      # the lone prompt's engine time is on the scaled steps
         assert s["engine_s"] == pytest.approx(engine_seconds(
             Profile.load(engine_only), s["prompt_tokens"], 2048, overhead.prefill_scale))
@@ -118,9 +120,12 @@ def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str
                      "--num-requests", "100", "--quiet", "-o", str(out)]) == 0
         return json.loads((out / "results.json").read_text())["results"][0]["ttft"]
 
-    # The same scaled steps without the overhead: TTFT moves by exactly the overhead.
-    scaled_only = tmp_path / "scaled_only.json"
+    # The same scaled steps with and without an overhead: TTFT moves by exactly the overhead.
+    with_overhead, scaled_only = tmp_path / "with_overhead.json", tmp_path / "scaled_only.json"
     profile = Profile.load(measured)
-    profile.serving_overhead.coef = [0.0, 0.0]
-    profile.save(scaled_only)
-    assert ttft(measured) == pytest.approx(ttft(scaled_only) + overhead.seconds(32))
+    for path, coef in ((with_overhead, [0.03, 1e-4]), (scaled_only, [0.0, 0.0])):
+        profile.serving_overhead.coef = coef
+        profile.save(path)
+    added = Profile.load(with_overhead).serving_overhead.seconds(32)
+    assert added == pytest.approx(0.03 + 32e-4)
+    assert ttft(with_overhead) == pytest.approx(ttft(scaled_only) + added)
