@@ -303,7 +303,8 @@ class EngineLoop:
                 "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
                 "prefix_queries": sched.stats.prefix_queries,
                 "prefix_hits": sched.stats.prefix_hits,
-                "num_preemptions": sched.stats.num_preemptions}
+                "num_preemptions": sched.stats.num_preemptions,
+                "steps": {kind: t.as_dict() for kind, t in self.engine.step_totals.items()}}
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

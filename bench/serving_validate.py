@@ -104,8 +104,13 @@ def predict_all(opts: argparse.Namespace, engine, out: Path) -> dict:
 def add_serving_overhead(opts: argparse.Namespace, profile, url: str, engine, out: Path):
     """`pd-cluster profile-serving` against `url`; opts.profile becomes the copy it writes."""
     copy = out / f"{Path(opts.profile).stem}_serving.json"
+    # Its load phase at the workload's lengths when they are fixed ones.
+    load = [f"--load-{side}-len={n}" for side, n in (("input", opts.input_len),
+                                                      ("output", opts.output_len))
+            if str(n).isdigit()]
     if pd_cluster(["profile-serving", "--profile", opts.profile, "--url", url,
-                   "--lengths", opts.serving_overhead_lengths,
+                   "--lengths", opts.serving_overhead_lengths, *load,
+                   "--load-requests", str(opts.serving_load_requests),
                    "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
                    "--timeout", str(opts.timeout), "-o", str(copy), "--quiet"]) != 0:
         raise RuntimeError("pd-cluster profile-serving failed (its error is above)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 
 from pd_cluster.config import EngineConfig, ModelConfig
 from pd_cluster.kv_cache_manager import KVCacheManager
@@ -13,6 +14,7 @@ from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
+from pd_cluster.step_totals import StepWork, new_totals
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
@@ -40,11 +42,16 @@ class LLMEngine:
                                    config.max_prefill_chunk)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # Steps by kind since start: count, seconds, work (pd_engine_* metrics). A step's
+        # seconds are its step() call's: under async scheduling mostly the wait for the step
+        # before it, the same length in a steady stream.
+        self.step_totals = new_totals()
         self._in_flight: LaunchedStep | None = None   # launched, tokens not yet recorded
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         if self.runner.device.type == "cuda":
             self.warm_up()
+            self.step_totals = new_totals()     # served steps only
 
     def warm_up(self) -> None:
         """Run a few throwaway requests through every kind of step serving will take, so
@@ -173,9 +180,11 @@ class LLMEngine:
         its blocks return to the pool once that write is done. A step watched by a listener
         (the prefill side, which pushes KV per layer) is reported before returning.
         """
+        began = time.perf_counter()
         plan = self.scheduler.schedule()
-        launched = None
+        launched, work = None, None
         if not plan.is_empty:
+            work = StepWork.of(plan)
             launched = self.runner.execute(plan, listener, self._in_flight)
             self.kv.step_launched([s.request.request_id for s in plan.scheduled])
         outputs = self._report(self._in_flight) if self._in_flight else []
@@ -186,6 +195,7 @@ class LLMEngine:
             if listener is not None or not self.async_scheduling:
                 outputs += self._report(launched)
                 self._in_flight = None
+            self.step_totals[work.kind.value].add(work, time.perf_counter() - began)
         return outputs
 
     def _report(self, step: LaunchedStep) -> list[RequestOutput]:

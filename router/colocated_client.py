@@ -76,5 +76,6 @@ class ColocatedClient:
                             num_running=d["num_running"], num_waiting=d["num_waiting"],
                             kv_blocks_used=d["kv_blocks_used"],
                             kv_blocks_total=d["kv_blocks_total"],
-                            prefix_queries=d["prefix_queries"], prefix_hits=d["prefix_hits"])
+                            prefix_queries=d["prefix_queries"], prefix_hits=d["prefix_hits"],
+                            steps=d["steps"])
                 for d in done]

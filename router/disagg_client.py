@@ -256,7 +256,8 @@ class DisaggregatedClient:
                 num_waiting=d["num_waiting"], kv_blocks_used=d["kv_blocks_used"],
                 kv_blocks_total=d["kv_blocks_total"], prefix_queries=d["prefix_queries"],
                 prefix_hits=d["prefix_hits"], kv_bytes_transferred=d["kv_bytes_transferred"],
-                kv_transfer_seconds=d["kv_transfer_seconds"], transport=d["transport"]))
+                kv_transfer_seconds=d["kv_transfer_seconds"], transport=d["transport"],
+                steps=d["steps"]))
         return loads
 
 

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pd_cluster.step_totals import STEP_FEATURES
 from router.routing import ReplicaLoad
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -50,8 +51,21 @@ class _ReplicaCollector(Collector):
                                     "received (decode).", labels=(*_REPLICA, "transport"))
         spent = CounterMetricFamily("pd_kv_transfer_seconds", "Time spent moving KV.",
                                     labels=(*_REPLICA, "transport"))
+        steps = CounterMetricFamily("pd_engine_steps", "Engine steps, by kind (prefill, "
+                                    "decode, mixed).", labels=(*_REPLICA, "kind"))
+        step_s = CounterMetricFamily("pd_engine_step_seconds", "Time in engine steps, by "
+                                     "kind.", labels=(*_REPLICA, "kind"))
+        work = CounterMetricFamily("pd_engine_step_work", "Work in engine steps, by kind, in "
+                                   "the profile's features: sum_tokens, sum_sq_tokens "
+                                   "(prefill chunks), sum_ctx, batch (decodes).",
+                                   labels=(*_REPLICA, "kind", "feature"))
         for load in self.loads:
             labels = [load.role, str(load.replica_id)]
+            for kind, totals in load.steps.items():
+                steps.add_metric([*labels, kind], totals["steps"])
+                step_s.add_metric([*labels, kind], totals["seconds"])
+                for feature in STEP_FEATURES:
+                    work.add_metric([*labels, kind, feature], totals[feature])
             running.add_metric(labels, load.num_running)
             waiting.add_metric(labels, load.num_waiting)
             usage.add_metric(labels, load.kv_blocks_used / max(load.kv_blocks_total, 1))
@@ -62,7 +76,8 @@ class _ReplicaCollector(Collector):
             hits.add_metric(labels, load.prefix_hits)
             moved.add_metric([*labels, load.transport], load.kv_bytes_transferred)
             spent.add_metric([*labels, load.transport], load.kv_transfer_seconds)
-        yield from (running, waiting, usage, used, free, hit_rate, queries, hits, moved, spent)
+        yield from (running, waiting, usage, used, free, hit_rate, queries, hits, moved, spent,
+                    steps, step_s, work)
 
 
 class RouterMetrics:

@@ -20,7 +20,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pd_cluster.block_pool import prefix_block_hashes
 
@@ -44,6 +44,9 @@ class ReplicaLoad:
     kv_bytes_transferred: int = 0       # KV sent (P) or received (D)
     kv_transfer_seconds: float = 0.0    # time spent in those transfers
     transport: str = ""                 # KV transport name ("" when it has none)
+    # Engine steps by kind ("prefill" | "decode" | "mixed"): steps, seconds and the work in
+    # them (see pd_cluster.step_totals).
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

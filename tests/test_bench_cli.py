@@ -3,8 +3,8 @@ streamed requests at 4/s; every metric is reported, and the goodput equals the S
 records over the duration, recomputed from the per-request records of the JSON report.
 
 `pd-cluster profile-serving` against the same server: the profile gains a serving overhead
-section (a burst's prefill scale, one median per prompt length), and tune's predicted TTFT
-moves up by that overhead.
+section (served step scales from the server's step counters under a short Poisson load, one
+median per prompt length), and tune's predicted TTFT moves up by that overhead.
 
 The server runs on a private local Ray (2 CPUs) on a free loopback port, as in
 tests/test_router_serve.py; it takes about a minute to load the model.
@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("ray")
 from pd_cluster.cli import main  # noqa: E402
 from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES,  # noqa: E402
                                        LatencyModel, Profile, ServingOverhead)
-from pd_cluster.tuning.serving import SCALE_RANGE, climb, engine_seconds  # noqa: E402
+from pd_cluster.tuning.serving import MIN_STEPS, SCALE_RANGE, engine_seconds  # noqa: E402
 from serve_run import serve_run  # noqa: E402
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
@@ -91,23 +90,34 @@ def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str
             decode=LatencyModel(DECODE_FEATURES, [1e-7, 1e-3, 0.02])).save(engine_only)
     measured = tmp_path / "cpu_served.json"
     assert main(["profile-serving", "--profile", str(engine_only), "--url", server,
-                 "--lengths", "16,48", "--requests-per-length", "2", "--burst-size", "3",
-                 "--bursts", "1", "--timeout", "120", "--quiet", "-o", str(measured)]) == 0
+                 "--lengths", "16,48", "--requests-per-length", "2", "--load-requests", "6",
+                 "--load-rate", "3", "--load-output-len", "4", "--timeout", "120", "--quiet",
+                 "-o", str(measured)]) == 0
     assert Profile.load(engine_only).serving_overhead is None     # -o: the input is kept
     overhead = Profile.load(measured).serving_overhead
     assert isinstance(overhead, ServingOverhead) and overhead.url == f"{server}/v1"
-    # The burst: three 48-word prompts at once on the served shape, read from /metrics.
-    burst = overhead.burst
-    assert burst["served"] == "1P1D" and burst["size"] == 3 and len(burst["ttfts_s"]) == 1
-    assert burst["climb_s"] == pytest.approx(climb(np.array(burst["ttfts_s"][0])))
-    assert SCALE_RANGE[0] <= overhead.prefill_scale <= SCALE_RANGE[1]
+    # The load: six 48-word prompts at 3/s on the served shape (from /metrics); P's prefill
+    # steps and D's decode steps counted by the server, each with its work and seconds.
+    load = overhead.load
+    assert load["served"] == "1P1D" and load["requests"] == 6 and load["input_len"] == 48
+    for kind, scale in (("prefill", overhead.prefill_scale), ("decode", overhead.decode_scale)):
+        k = load[kind]
+        assert k["steps"] >= 1 and k["seconds"] > 0 and k["profiled_seconds"] > 0, load
+        assert scale == load[f"{kind}_scale"]
+        if k["steps"] >= MIN_STEPS:
+            assert scale == pytest.approx(min(max(k["seconds"] / k["profiled_seconds"],
+                                                  SCALE_RANGE[0]), SCALE_RANGE[1]))
+        else:
+            assert scale == 1.0
+    assert load["prefill"]["sum_tokens"] >= 6 * 48      # words: at least a token each
+    assert load["decode"]["batch"] >= 6 * 2             # 4 tokens: the last 3 decoded on D
     assert [s["prompt_tokens"] for s in overhead.samples] == [
         pytest.approx(16, abs=8), pytest.approx(48, abs=16)]
     for s in overhead.samples:      # the synthetic profile is not this CPU: no sign asserted
         assert s["ttft_s"] > 0 and s["engine_s"] > 0
         assert s["overhead_s"] == pytest.approx(s["ttft_s"] - s["engine_s"])
     # Non-negative least squares: where the scaled steps already cover a lone TTFT (a CPU
-    # shared by Ray, Serve and the engine scales bursts more than lone prompts) it is zero.
+    # shared by Ray, Serve and the engine can scale steps under load past lone prompts) it is 0.
     assert all(c >= 0 for c in overhead.coef)
     for s in overhead.samples:      # the lone prompt's engine time is on the scaled steps
         assert s["engine_s"] == pytest.approx(engine_seconds(
@@ -117,7 +127,7 @@ def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str
         out = tmp_path / f"tune_{profile.stem}"
         assert main(["tune", "--profile", str(profile), "--rate", "0.2", "--input-len", "32",
                      "--output-len", "16", "--gpus", "1", "--ttft-slo", "60s",
-                     "--num-requests", "100", "--quiet", "-o", str(out)]) == 0
+                     "--tpot-slo", "60s", "--num-requests", "100", "--quiet", "-o", str(out)]) == 0
         return json.loads((out / "results.json").read_text())["results"][0]["ttft"]
 
     # The same scaled steps with and without an overhead: TTFT moves by exactly the overhead.

@@ -199,7 +199,8 @@ def test_metrics_parse_and_expose_the_dashboard_names(server: str):
                  "pd_kv_cache_usage_ratio", "pd_kv_blocks_used", "pd_kv_blocks_free",
                  "pd_prefix_cache_hit_rate", "pd_prefix_cache_hits", "pd_kv_transfer_bytes",
                  "pd_kv_transfer_seconds", "pd_disagg_decisions", "pd_request_errors",
-                 "pd_request_success", "pd_router_requests_waiting"]:
+                 "pd_request_success", "pd_router_requests_waiting", "pd_engine_steps",
+                 "pd_engine_step_seconds", "pd_engine_step_work"]:
         assert name in metrics, name
     ttft_count = [s for s in metrics["pd_time_to_first_token_seconds"]
                   if s.name.endswith("_count")]
@@ -207,3 +208,10 @@ def test_metrics_parse_and_expose_the_dashboard_names(server: str):
     roles = {s.labels["role"] for s in metrics["pd_num_requests_running"]}
     assert roles <= {"prefill", "decode"} and "decode" in roles
     assert max(replica_values(metrics, "pd_prefix_cache_hit_rate")) > 0
+    # Steps by kind, with the work in them in the profile's features (profile-serving's input).
+    kinds = {s.labels["kind"] for s in metrics["pd_engine_steps"]}
+    assert kinds == {"prefill", "decode", "mixed"}
+    served = sum(s.value for s in metrics["pd_engine_steps"] if s.name.endswith("_total"))
+    assert served > 0
+    features = {s.labels["feature"] for s in metrics["pd_engine_step_work"]}
+    assert features == {"sum_tokens", "sum_sq_tokens", "sum_ctx", "batch"}

@@ -98,3 +98,28 @@ def test_illegal_status_transition_raises():
     req.move_to(RequestStatus.RUNNING)
     with pytest.raises(RuntimeError, match="RUNNING -> PREFILLING"):
         req.move_to(RequestStatus.PREFILLING)
+
+
+def test_step_totals_count_every_prompt_token_and_decode_once(tiny_model_root):
+    # Chunked under a 10-token budget, prefills beside decodes: whatever the kinds of steps,
+    # the work adds up to each prompt prefilled whole (l tokens, l^2 of attention) and each
+    # later token decoded once, attending to everything before it.
+    engine = LLM(make_tiny_model("llama_gqa", tiny_model_root), block_size=4,
+                 max_num_batched_tokens=10).engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    lengths = (23, 7, 15)
+    for i, n in enumerate(lengths):
+        engine.add_request([10 + i] * n, params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    totals = {kind: t.as_dict() for kind, t in engine.step_totals.items()}
+    assert all(totals[k]["steps"] > 0 for k in ("prefill", "decode", "mixed")), totals
+    assert sum(t["steps"] for t in totals.values()) == steps
+    assert all(t["seconds"] > 0 for t in totals.values())
+    assert sum(t["sum_tokens"] for t in totals.values()) == sum(lengths)
+    assert sum(t["sum_sq_tokens"] for t in totals.values()) == sum(n * n for n in lengths)
+    assert sum(t["batch"] for t in totals.values()) == 5 * len(lengths)
+    assert sum(t["sum_ctx"] for t in totals.values()) == sum(5 * n + 15 for n in lengths)
+    assert totals["prefill"]["batch"] == totals["decode"]["sum_tokens"] == 0

@@ -148,12 +148,15 @@ def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profil
     serving_sweep.main(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "1",
                         "--requests", "6", "--tune-requests", "50", *LOAD,
                         "--ttft-slo", "2s", "--tpot-slo", "500ms",
-                        "--serving-overhead-lengths", "16,64", "-o", str(out)])
+                        "--serving-overhead-lengths", "16,64", "--serving-load-requests", "6",
+                        "-o", str(out)])
     result = json.loads((out / "validate.json").read_text())
     assert "errors" not in result, result["errors"]
     # The overhead was measured on the served config and tune reran with it.
     assert result["profile"] == "cpu_serving.json"
-    assert Profile.load(out / "cpu_serving.json").serving_overhead is not None
+    served = Profile.load(out / "cpu_serving.json").serving_overhead
+    assert served is not None and served.load["requests"] == 6
+    assert served.load["input_len"] == 24 and served.load["output_len"] == 6   # the workload's
     assert set(result["definitions"]) >= {"ttft", "tpot", "goodput", "warm_up"}
     [point] = result["points"]
     assert point["config"] == "colo:1" and point["rate"] == 2.0    # one GPU: colocated only

@@ -15,9 +15,8 @@ import pytest
 from pd_cluster.cli import main
 from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES, LatencyModel,
                                        Profile, ServingOverhead, kv_bytes_per_token)
-from pd_cluster.tuning.serving import (climb, engine_seconds, fit_prefill_scale,
-                                       simulated_ttfts)
-from pd_cluster.tuning.simulator import ClusterSpec
+from pd_cluster.step_totals import StepWork, new_totals
+from pd_cluster.tuning.serving import MIN_STEPS, engine_seconds, served_scales
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -138,15 +137,37 @@ def test_engine_time_of_a_lone_prompt_is_the_simulators_chunked_prefill(h100_pro
         profile.prefill_time(2048, 2048**2) + profile.prefill_time(952, 3000**2 - 2048**2))
 
 
-@pytest.mark.parametrize("served", [ClusterSpec(0, 1), ClusterSpec(1, 1), ClusterSpec(2, 1)])
-def test_prefill_scale_is_recovered_from_a_bursts_climb(h100_profile: Path, served: ClusterSpec):
-    # A server whose prefill steps take 1.3x the profiled ones, 40 ms of overhead on each TTFT.
+def totals_of(steps: list[tuple[StepWork, float]]) -> dict[str, dict[str, float]]:
+    """What a server's /metrics sums up (read_step_totals) after these steps."""
+    totals = new_totals()
+    for work, seconds in steps:
+        totals[work.kind.value].add(work, seconds)
+    return {kind: t.as_dict() for kind, t in totals.items()}
+
+
+def test_step_scales_are_served_over_profiled_seconds_of_each_kind(h100_profile: Path):
+    # A server whose prefill steps take 1.3x the profiled ones and decode steps 0.9x, and
+    # whose mixed steps (not used) take any time.
     profile = Profile.load(h100_profile)
-    prompts = [(2049, 16)] * 8
-    served_ttfts = simulated_ttfts(profile, served, prompts, 2048, scale=1.3) + 0.04
-    assert climb(served_ttfts) > climb(simulated_ttfts(profile, served, prompts, 2048))
-    assert fit_prefill_scale(profile, served, 2049, 8, climb(served_ttfts), 2048) == \
-        pytest.approx(1.3, rel=1e-3)
+    chunks = [StepWork(sum_tokens=c, sum_sq_tokens=c * (2 * p + c)) for c, p in
+              [(2048, 0), (1, 2048), (2048, 0), (512, 2048), (700, 0)] * 4]
+    decodes = [StepWork(sum_ctx=b * ctx, batch=b) for b, ctx in [(1, 300), (8, 2100), (40, 900)]]
+    mixed = [StepWork(sum_tokens=100, sum_sq_tokens=10_000, sum_ctx=500, batch=2)]
+    before = totals_of([(w, 5.0) for w in chunks[:3] + decodes])
+    after = totals_of([(w, 5.0) for w in chunks[:3] + decodes]
+                      + [(w, 1.3 * profile.prefill.predict(
+                          (w.sum_tokens, w.sum_sq_tokens, 1.0))) for w in chunks]
+                      + [(w, 0.9 * profile.decode.predict((w.sum_ctx, w.batch, 1.0)))
+                         for w in decodes * 4] + [(w, 9.0) for w in mixed])
+    scales = served_scales(profile, before, after)
+    assert scales["prefill_scale"] == pytest.approx(1.3)
+    assert scales["decode_scale"] == pytest.approx(0.9)
+    assert scales["prefill"]["steps"] == 20 and scales["decode"]["steps"] == 12
+    assert scales["mixed"] == {"steps": 1, "seconds": 9.0}
+    # Too few steps of a kind to say: it stays as profiled.
+    few = served_scales(profile, before, after, min_steps=13)
+    assert few["prefill_scale"] == pytest.approx(1.3) and few["decode_scale"] == 1.0
+    assert MIN_STEPS <= 12
 
 
 def test_prefill_scale_multiplies_every_simulated_prefill_step(h100_profile: Path):
@@ -159,6 +180,14 @@ def test_prefill_scale_multiplies_every_simulated_prefill_step(h100_profile: Pat
     bare_profile = dataclasses.replace(profile, serving_overhead=None)
     assert engine_seconds(profile, 2048, 2048) == pytest.approx(bare)
     assert engine_seconds(bare_profile, 2048, 2048, 1.5) == pytest.approx(1.5 * bare)
+
+
+def test_decode_scale_multiplies_every_simulated_decode_step(h100_profile: Path):
+    profile = Profile.load(h100_profile)
+    bare = profile.decode_time(32, 32 * 1000)
+    profile.serving_overhead = dataclasses.replace(overhead_of([(128, 0.0), (2048, 0.0)]),
+                                                   decode_scale=1.2)
+    assert profile.decode_time(32, 32 * 1000) == pytest.approx(1.2 * bare)
 
 
 def test_old_profile_files_load_without_an_overhead(tmp_path: Path):
@@ -179,9 +208,8 @@ def test_tune_adds_the_serving_overhead_to_ttft_only(h100_profile: Path, tmp_pat
     profile.save(with_overhead)
     args = ("--rate", "4", "--input-len", "2048", "--output-len", "64", "--gpus", "2")
     shifted = {r["config"]: r for r in tune(with_overhead, tmp_path / "with", *args)}
-    assert "serving overhead: 29 ms + 0.00781 ms/token, prefill steps x1, measured " \
-        "through http://test" \
-        in capsys.readouterr().out
+    assert "serving overhead: 29 ms + 0.00781 ms/token, prefill steps x1, decode steps x1, " \
+        "measured through http://test" in capsys.readouterr().out
     bare = {r["config"]: r for r in tune(with_overhead, tmp_path / "bare", *args,
                                          "--no-serving-overhead")}
     assert "serving overhead" not in capsys.readouterr().out

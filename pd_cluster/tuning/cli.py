@@ -82,10 +82,15 @@ def add_profile_serving(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", type=_ints, default=(128, 512, 1024, 2048),
                    help="prompt lengths in tokens (default 128,512,1024,2048)")
     p.add_argument("--requests-per-length", type=int, default=5, help="median taken")
-    p.add_argument("--burst-size", type=int, default=8, help="prompts of the longest length "
-                   "sent at once, to measure served prefill steps against profiled ones "
-                   "(1: skip; the steps stay as profiled)")
-    p.add_argument("--bursts", type=int, default=3, help="bursts sent, median taken")
+    p.add_argument("--load-requests", type=int, default=64, help="requests of the load "
+                   "phase, whose engine steps (from the server's /metrics) give the served "
+                   "step scales (0: skip; steps stay as profiled)")
+    p.add_argument("--load-rate", type=float, help="arrivals per second of the load phase "
+                   "(default: half of what the served prefill engines take, by the profile)")
+    p.add_argument("--load-input-len", type=int, help="prompt tokens in the load phase "
+                   "(default: the longest of --lengths)")
+    p.add_argument("--load-output-len", type=int, default=128,
+                   help="output tokens in the load phase (default 128)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the server's per-step token budget, to chunk prompts as it does")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
@@ -102,10 +107,14 @@ def _profile_serving(args: argparse.Namespace) -> int:
     from pd_cluster.tuning.serving import measure_overhead
 
     profile = Profile.load(args.profile)
-    for name in ("requests_per_length", "burst_size", "bursts", "max_num_batched_tokens",
-                 "timeout"):
+    for name in ("requests_per_length", "max_num_batched_tokens", "timeout", "load_output_len"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
+    for name in ("load_rate", "load_input_len"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
+    if args.load_requests < 0:
+        raise ValueError("--load-requests: must be >= 0")
     lengths = tuple(sorted(set(args.lengths)))
     if len(lengths) < 2:
         raise ValueError("--lengths: need two lengths or more to fit a + b·tokens")
@@ -115,12 +124,16 @@ def _profile_serving(args: argparse.Namespace) -> int:
     profile.serving_overhead = measure_overhead(
         profile, Endpoint(base, model, args.api_key), lengths, args.requests_per_length,
         args.max_num_batched_tokens, args.timeout, progress=not args.quiet,
-        burst_size=args.burst_size, bursts=args.bursts)
-    if b := profile.serving_overhead.burst:
-        print(f"bursts of {b['size']} x {b['prompt_tokens']} tokens on {b['served']}: TTFT "
-              f"climbs {1e3 * b['climb_s']:.1f} ms per prompt, the profile's steps "
-              f"{1e3 * b['profiled_climb_s']:.1f} ms: prefill steps "
-              f"x{profile.serving_overhead.prefill_scale:.3g}")
+        load_requests=args.load_requests, load_rate=args.load_rate,
+        load_input_len=args.load_input_len, load_output_len=args.load_output_len)
+    if load := profile.serving_overhead.load:
+        print(f"load: {load['requests']} x {load['input_len']} -> {load['output_len']} tokens "
+              f"at {load['rate']:.3g} req/s on {load['served']}")
+        for kind in ("prefill", "decode"):
+            k = load[kind]
+            print(f"  {kind} steps: {k['steps']}, {k['seconds']:.3f} s served, "
+                  f"{k['profiled_seconds']:.3f} s profiled: x{load[kind + '_scale']:.3g}")
+        print(f"  mixed steps (not used): {load['mixed']['steps']}")
     for s in profile.serving_overhead.samples:
         print(f"{s['prompt_tokens']:6d} tokens: TTFT {1e3 * s['ttft_s']:8.1f} ms = engine "
               f"{1e3 * s['engine_s']:8.1f} ms + overhead {1e3 * s['overhead_s']:8.1f} ms")
@@ -219,8 +232,8 @@ def _tune(args: argparse.Namespace) -> int:
 def _overhead_row(profile: Profile) -> dict | None:
     """What results.json records of the overhead the simulation added (None: none)."""
     o = profile.serving_overhead
-    return {"coef": o.coef, "prefill_scale": o.prefill_scale, "url": o.url,
-            "date": o.date} if o else None
+    return {"coef": o.coef, "prefill_scale": o.prefill_scale, "decode_scale": o.decode_scale,
+            "url": o.url, "date": o.date} if o else None
 
 
 def _device(profile: Profile) -> str:

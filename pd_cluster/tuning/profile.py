@@ -113,10 +113,11 @@ class ServingOverhead:
       tokenization, router, Ray calls, streaming back), a + b·prompt_tokens, from lone
       requests; `samples` are the per-length medians: prompt_tokens, ttft_s, engine_s and
       overhead_s.
-    - `prefill_scale`: served prefill steps / profiled ones, from bursts of prompts sent at
-      once (`burst` holds how). A served step can be slower than the in-process one it was
-      profiled as, when the engine's process also takes in other requests and pushes their
-      KV during it; lone requests never see that, queues do.
+    - `prefill_scale`, `decode_scale`: served steps / profiled ones, from the server's own
+      step counters over a phase of Poisson load (`load` holds how; files of 2026-11-22 have
+      a prefill scale from bursts instead, `burst`). A served step can be slower than the
+      in-process one it was profiled as: the engine's process also takes in requests,
+      reserves their KV and pushes it during the step. Lone requests never see that, queues do.
     """
 
     coef: list[float]                # [a seconds, b seconds per prompt token], both >= 0
@@ -126,23 +127,26 @@ class ServingOverhead:
     max_num_batched_tokens: int      # the server's step budget: how engine_s was chunked
     prefill_scale: float = 1.0       # files written before it existed: steps as profiled
     burst: dict[str, Any] | None = None
+    decode_scale: float = 1.0
+    load: dict[str, Any] | None = None
 
     def seconds(self, prompt_tokens: int) -> float:
         return self.coef[0] + self.coef[1] * prompt_tokens
 
     def describe(self) -> str:
         return (f"serving overhead: {1e3 * self.coef[0]:.3g} ms + {1e3 * self.coef[1]:.3g} "
-                f"ms/token, prefill steps x{self.prefill_scale:.3g}, measured through "
+                f"ms/token, prefill steps x{self.prefill_scale:.3g}, decode steps "
+                f"x{self.decode_scale:.3g}, measured through "
                 f"{self.url}")
 
     @classmethod
     def fit(cls, samples: list[dict[str, float]], url: str, date: str,
             max_num_batched_tokens: int, prefill_scale: float = 1.0,
-            burst: dict[str, Any] | None = None) -> ServingOverhead:
+            decode_scale: float = 1.0, load: dict[str, Any] | None = None) -> ServingOverhead:
         """Least squares of overhead_s on prompt_tokens, both coefficients clipped to >= 0."""
         x = np.array([[1.0, s["prompt_tokens"]] for s in samples])
         return cls(_nonneg_lstsq(x, np.array([s["overhead_s"] for s in samples])), samples,
-                   url, date, max_num_batched_tokens, prefill_scale, burst)
+                   url, date, max_num_batched_tokens, prefill_scale, None, decode_scale, load)
 
 
 @dataclass(slots=True)
@@ -167,7 +171,9 @@ class Profile:
         return scale * self.prefill.predict((sum_tokens, sum_sq_tokens, 1.0))
 
     def decode_time(self, batch: int, sum_ctx: float) -> float:
-        return self.decode.predict((sum_ctx, batch, 1.0))
+        """A decode step as served: the profiled one times the measured serving scale."""
+        scale = self.serving_overhead.decode_scale if self.serving_overhead else 1.0
+        return scale * self.decode.predict((sum_ctx, batch, 1.0))
 
     def overhead_time(self, prompt_tokens: int) -> float:
         """Serving overhead of one request; 0 when the profile has none."""

@@ -1,15 +1,17 @@
-"""Measure what serving adds to the profiled engine: TTFT through a running server against the
-simulator's prediction from the profile.
+"""Measure what serving adds to the profiled engine, through a running server: how long its
+engines' steps take as served, and what a request's TTFT holds beyond them.
 
-Two measurements, both timed as `pd-cluster bench` times them (send to first text), with
-fresh random prompts (a rerun must not find them in the prefix cache):
+Two phases, both timed as `pd-cluster bench` times them (send to first text), with fresh
+random prompts (a rerun must not find them in the prefix cache):
 
-- Bursts: `burst_size` prompts of the longest length sent at once, `bursts` times. A burst
-  queues on the prefill engines, so its sorted TTFTs climb by one served prefill step per
-  prompt (per prefill engine). The simulator replays the same burst on the served shape (P and
-  D counts, read from the server's /metrics), and `prefill_scale` is the factor on the
-  profile's prefill steps that gives the climb measured (median of the bursts' least-squares
-  slopes of TTFT against rank; a fixed overhead does not change a slope).
+- Load: Poisson arrivals of `load_input_len`-token prompts (default: the longest length) at
+  `load_rate` (default: half of what the served prefill engines can take by the profile)
+  for `load_requests` requests. The server's /metrics count its engines' steps by kind with
+  their seconds and their work in the profile's features (`pd_engine_step_*`), so the sum of
+  the profile's predictions over the phase's prefill-only steps, against their measured
+  seconds, is `prefill_scale`; decode-only steps give `decode_scale`. Served steps can be
+  slower than profiled ones: the engine's process also takes in requests, reserves their KV
+  on the decode side and pushes it during them.
 - Lone requests, one at a time, at each length: the overhead is the median TTFT minus the
   simulator's prediction for the lone prompt with the scaled steps, fitted as a + b·tokens.
 """
@@ -22,6 +24,8 @@ import re
 import statistics
 import time
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -31,6 +35,7 @@ from pd_cluster.benchmark.client import Endpoint, RequestRecord, send
 from pd_cluster.benchmark.loadgen import make_prompt
 from pd_cluster.tuning.profile import LatencyModel, Profile, ServingOverhead
 from pd_cluster.tuning.simulator import ClusterSpec, EngineLimits, Simulator
+from pd_cluster.tuning.workload import arrival_times
 
 WARM_UP_REQUESTS = 2
 # The first text is the one timed; more tokens make it a real decode request, as served, and
@@ -38,6 +43,8 @@ WARM_UP_REQUESTS = 2
 # character, which stream no text until it is whole.
 MAX_TOKENS = 16
 SCALE_RANGE = (0.25, 8.0)
+# Steps of a kind below which its scale is not measured (stays 1).
+MIN_STEPS = 10
 
 
 def served_shape(base_url: str, timeout: float = 10.0) -> ClusterSpec:
@@ -77,64 +84,94 @@ def engine_seconds(profile: Profile, prompt_tokens: int, max_num_batched_tokens:
                                  max_num_batched_tokens, scale)[0])
 
 
-def climb(ttfts: np.ndarray) -> float:
-    """Least-squares slope of sorted TTFTs against their rank: seconds per queued prompt."""
-    return float(np.polyfit(np.arange(len(ttfts)), np.sort(ttfts), 1)[0])
+def read_step_totals(base_url: str, timeout: float = 10.0) -> dict[str, dict[str, float]]:
+    """A pd-cluster server's engine step totals by kind ("prefill", "decode", "mixed"), summed
+    over its engines: steps, seconds and each feature of `STEP_FEATURES`; {} without them."""
+    root = base_url.removesuffix("/").removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/metrics", timeout=timeout) as answer:
+        text = answer.read().decode()
+    totals: dict[str, dict[str, float]] = {}
+    names = {"pd_engine_steps_total": "steps", "pd_engine_step_seconds_total": "seconds"}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in names and name != "pd_engine_step_work_total":
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+        key = names.get(name) or labels["feature"]
+        kind = totals.setdefault(labels["kind"], {})
+        kind[key] = kind.get(key, 0.0) + float(rest.rsplit(" ", 1)[1])
+    return totals
 
 
-def fit_prefill_scale(profile: Profile, spec: ClusterSpec, prompt_tokens: int, size: int,
-                      measured_climb: float, max_num_batched_tokens: int) -> float:
-    """The factor on prefill steps whose simulated burst climbs as measured (bisection: the
-    climb grows with the factor), clipped to SCALE_RANGE."""
-    def simulated(scale: float) -> float:
-        return climb(simulated_ttfts(profile, spec, [(prompt_tokens, MAX_TOKENS)] * size,
-                                     max_num_batched_tokens, scale))
-    lo, hi = SCALE_RANGE
-    if measured_climb <= simulated(lo):
-        return lo
-    if measured_climb >= simulated(hi):
-        return hi
-    for _ in range(40):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if simulated(mid) < measured_climb else (lo, mid)
-    return (lo * hi) ** 0.5
+def served_scales(profile: Profile, before: dict, after: dict,
+                  min_steps: int = MIN_STEPS) -> dict[str, Any]:
+    """Measured seconds / the profile's predicted seconds over the prefill-only steps and over
+    the decode-only steps between two `read_step_totals`; a kind with fewer than `min_steps`
+    steps keeps scale 1 (mixed steps, a colocated engine's, are counted, not used)."""
+    out: dict[str, Any] = {}
+    for kind, model, scale_key in (("prefill", profile.prefill, "prefill_scale"),
+                                   ("decode", profile.decode, "decode_scale")):
+        delta = {k: v - before.get(kind, {}).get(k, 0.0)
+                 for k, v in after.get(kind, {}).items()}
+        steps = delta.get("steps", 0.0)
+        predicted = model.predict(tuple(steps if f == "const" else delta.get(f, 0.0)
+                                        for f in model.features)) if steps else 0.0
+        out[kind] = {"steps": int(steps), "seconds": delta.get("seconds", 0.0),
+                     "profiled_seconds": predicted,
+                     **{f: delta.get(f, 0.0) for f in model.features if f != "const"}}
+        scale = 1.0
+        if steps >= min_steps and predicted > 0:
+            scale = min(max(delta["seconds"] / predicted, SCALE_RANGE[0]), SCALE_RANGE[1])
+        out[scale_key] = scale
+    mixed = {k: v - before.get("mixed", {}).get(k, 0.0) for k, v in after.get("mixed", {}).items()}
+    out["mixed"] = {"steps": int(mixed.get("steps", 0.0)), "seconds": mixed.get("seconds", 0.0)}
+    return out
+
+
+def default_load_rate(profile: Profile, spec: ClusterSpec, prompt_tokens: int,
+                      max_num_batched_tokens: int) -> float:
+    """Half of what the served prefill engines (colocated ones when there are none) can take
+    of `prompt_tokens`-token prompts, by the profile's steps."""
+    engines = spec.num_prefill or spec.num_decode
+    return 0.5 * engines / engine_seconds(profile, prompt_tokens, max_num_batched_tokens)
 
 
 def measure_overhead(profile: Profile, endpoint: Endpoint, lengths: tuple[int, ...],
                      per_length: int, max_num_batched_tokens: int, timeout: float,
-                     progress: bool = True, burst_size: int = 8,
-                     bursts: int = 3) -> ServingOverhead:
-    """Bursts first (the prefill scale), then lone requests (the overhead on top of it)."""
+                     progress: bool = True, load_requests: int = 64,
+                     load_rate: float | None = None, load_input_len: int | None = None,
+                     load_output_len: int = 128) -> ServingOverhead:
+    """The load phase first (the step scales), then lone requests (the overhead on top)."""
     spec = served_shape(endpoint.base_url)
-    longest = max(lengths)
-    scale, burst = 1.0, None
-    if burst_size > 1 and bursts > 0:
-        runs = asyncio.run(_send_bursts(endpoint, longest, burst_size, bursts, timeout,
-                                        progress))
-        tokens = round(statistics.median(r.prompt_tokens or longest for run in runs
-                                         for r in run))
-        climbs = [climb(np.array([r.ttft for r in run])) for run in runs]
-        measured = statistics.median(climbs)
-        scale = fit_prefill_scale(profile, spec, tokens, burst_size, measured,
-                                  max_num_batched_tokens)
-        burst = {"served": str(spec), "size": burst_size, "prompt_tokens": tokens,
-                 "ttfts_s": [sorted(r.ttft for r in run) for run in runs],
-                 "climbs_s": climbs, "climb_s": measured,
-                 "profiled_climb_s": climb(simulated_ttfts(
-                     profile, spec, [(tokens, MAX_TOKENS)] * burst_size,
-                     max_num_batched_tokens))}
+    scales, load = {"prefill_scale": 1.0, "decode_scale": 1.0}, None
+    if load_requests > 0:
+        input_len = load_input_len or max(lengths)
+        rate = load_rate or default_load_rate(profile, spec, input_len, max_num_batched_tokens)
+        totals: list[dict] = []
+        records = asyncio.run(_send_load(endpoint, load_requests, rate, input_len,
+                                         load_output_len, timeout, progress,
+                                         lambda: totals.append(read_step_totals(
+                                             endpoint.base_url))))
+        if not totals[0]:
+            raise ValueError(f"{endpoint.base_url}: its /metrics has no pd_engine_step_* "
+                             "counters (not a pd-cluster server?); pass --load-requests 0")
+        scales = served_scales(profile, *totals)
+        load = {"served": str(spec), "requests": load_requests, "rate": rate,
+                "input_len": input_len, "output_len": load_output_len,
+                "duration_s": max(r.start + r.e2e for r in records), **scales}
     records = asyncio.run(_send_all(endpoint, lengths, per_length, timeout, progress))
     samples = []
     for n in lengths:
         mine = [r for r in records if r.input_len == n]
         tokens = round(statistics.median(r.prompt_tokens or n for r in mine))
         ttft = statistics.median(r.ttft for r in mine)
-        engine = engine_seconds(profile, tokens, max_num_batched_tokens, scale)
+        engine = engine_seconds(profile, tokens, max_num_batched_tokens,
+                                scales["prefill_scale"])
         samples.append({"prompt_tokens": tokens, "ttft_s": ttft, "engine_s": engine,
                         "overhead_s": ttft - engine})
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return ServingOverhead.fit(samples, endpoint.base_url, date, max_num_batched_tokens,
-                               scale, burst)
+                               scales["prefill_scale"], scales["decode_scale"], load)
 
 
 def _check(record: RequestRecord, endpoint: Endpoint) -> RequestRecord:
@@ -143,27 +180,34 @@ def _check(record: RequestRecord, endpoint: Endpoint) -> RequestRecord:
     return record
 
 
-async def _send_bursts(endpoint: Endpoint, length: int, size: int, bursts: int,
-                       timeout: float, progress: bool) -> list[list[RequestRecord]]:
-    """Warm-ups one at a time, then `bursts` bursts of `size` prompts sent together; each
-    burst starts once the one before has finished."""
+async def _send_load(endpoint: Endpoint, n: int, rate: float, input_len: int,
+                     output_len: int, timeout: float, progress: bool,
+                     snapshot: Callable[[], None]) -> list[RequestRecord]:
+    """Warm-ups one at a time, `snapshot()`, `n` requests at Poisson arrivals of `rate`
+    per second, all answered, `snapshot()` again."""
     rng = np.random.default_rng()
-    runs = []
-    with tqdm(total=WARM_UP_REQUESTS + bursts, desc="profile-serving bursts",
+    starts = arrival_times(n, rate, 1.0, rng)
+    with tqdm(total=WARM_UP_REQUESTS + n, desc="profile-serving load",
               disable=not progress) as bar:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             for k in range(WARM_UP_REQUESTS):
-                record = RequestRecord(k, length, MAX_TOKENS)
-                _check(await send(session, endpoint, record, make_prompt(length, rng),
-                                  time.perf_counter(), timeout), endpoint)
+                _check(await send(session, endpoint, RequestRecord(k, input_len, MAX_TOKENS),
+                                  make_prompt(input_len, rng), time.perf_counter(), timeout),
+                       endpoint)
                 bar.update(1)
-            for _ in range(bursts):
-                t0 = time.perf_counter()
-                batch = [send(session, endpoint, RequestRecord(i, length, MAX_TOKENS),
-                              make_prompt(length, rng), t0, timeout) for i in range(size)]
-                runs.append([_check(r, endpoint) for r in await asyncio.gather(*batch)])
+            await asyncio.to_thread(snapshot)
+            t0 = time.perf_counter()
+
+            async def one(k: int) -> RequestRecord:
+                await asyncio.sleep(max(0.0, starts[k] - (time.perf_counter() - t0)))
+                record = await send(session, endpoint, RequestRecord(k, input_len, output_len),
+                                    make_prompt(input_len, rng), t0, timeout)
                 bar.update(1)
-    return runs
+                return _check(record, endpoint)
+
+            records = await asyncio.gather(*[one(k) for k in range(n)])
+            await asyncio.to_thread(snapshot)
+    return list(records)
 
 
 async def _send_all(endpoint: Endpoint, lengths: tuple[int, ...], per_length: int,
