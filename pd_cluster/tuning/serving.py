@@ -47,15 +47,20 @@ SCALE_RANGE = (0.25, 8.0)
 MIN_STEPS = 10
 
 
-def served_shape(base_url: str, timeout: float = 10.0) -> ClusterSpec:
-    """Prefill and decode engine counts from a pd-cluster server's /metrics (its engines'
-    `role` and `replica` labels); one colocated engine for a server without them."""
+def _metrics(base_url: str, timeout: float) -> str:
+    """The server's Prometheus text ("" when it has no /metrics)."""
     root = base_url.removesuffix("/").removesuffix("/v1")
     try:
         with urllib.request.urlopen(f"{root}/metrics", timeout=timeout) as answer:
-            text = answer.read().decode()
+            return answer.read().decode()
     except OSError:
-        return ClusterSpec(0, 1)
+        return ""
+
+
+def served_shape(base_url: str, timeout: float = 10.0) -> ClusterSpec:
+    """Prefill and decode engine counts from a pd-cluster server's /metrics (its engines'
+    `role` and `replica` labels); one colocated engine for a server without them."""
+    text = _metrics(base_url, timeout)
     engines = set()
     for line in text.splitlines():
         if line.startswith("pd_kv_blocks_used{"):
@@ -87,9 +92,7 @@ def engine_seconds(profile: Profile, prompt_tokens: int, max_num_batched_tokens:
 def read_step_totals(base_url: str, timeout: float = 10.0) -> dict[str, dict[str, float]]:
     """A pd-cluster server's engine step totals by kind ("prefill", "decode", "mixed"), summed
     over its engines: steps, seconds and each feature of `STEP_FEATURES`; {} without them."""
-    root = base_url.removesuffix("/").removesuffix("/v1")
-    with urllib.request.urlopen(f"{root}/metrics", timeout=timeout) as answer:
-        text = answer.read().decode()
+    text = _metrics(base_url, timeout)
     totals: dict[str, dict[str, float]] = {}
     names = {"pd_engine_steps_total": "steps", "pd_engine_step_seconds_total": "seconds"}
     for line in text.splitlines():
@@ -108,22 +111,24 @@ def served_scales(profile: Profile, before: dict, after: dict,
     """Measured seconds / the profile's predicted seconds over the prefill-only steps and over
     the decode-only steps between two `read_step_totals`; a kind with fewer than `min_steps`
     steps keeps scale 1 (mixed steps, a colocated engine's, are counted, not used)."""
+    def delta(kind: str) -> dict[str, float]:
+        return {k: v - before.get(kind, {}).get(k, 0.0) for k, v in after.get(kind, {}).items()}
+
     out: dict[str, Any] = {}
     for kind, model, scale_key in (("prefill", profile.prefill, "prefill_scale"),
                                    ("decode", profile.decode, "decode_scale")):
-        delta = {k: v - before.get(kind, {}).get(k, 0.0)
-                 for k, v in after.get(kind, {}).items()}
-        steps = delta.get("steps", 0.0)
-        predicted = model.predict(tuple(steps if f == "const" else delta.get(f, 0.0)
+        d = delta(kind)
+        steps = d.get("steps", 0.0)
+        predicted = model.predict(tuple(steps if f == "const" else d.get(f, 0.0)
                                         for f in model.features)) if steps else 0.0
-        out[kind] = {"steps": int(steps), "seconds": delta.get("seconds", 0.0),
+        out[kind] = {"steps": int(steps), "seconds": d.get("seconds", 0.0),
                      "profiled_seconds": predicted,
-                     **{f: delta.get(f, 0.0) for f in model.features if f != "const"}}
+                     **{f: d.get(f, 0.0) for f in model.features if f != "const"}}
         scale = 1.0
         if steps >= min_steps and predicted > 0:
-            scale = min(max(delta["seconds"] / predicted, SCALE_RANGE[0]), SCALE_RANGE[1])
+            scale = min(max(d["seconds"] / predicted, SCALE_RANGE[0]), SCALE_RANGE[1])
         out[scale_key] = scale
-    mixed = {k: v - before.get("mixed", {}).get(k, 0.0) for k, v in after.get("mixed", {}).items()}
+    mixed = delta("mixed")
     out["mixed"] = {"steps": int(mixed.get("steps", 0.0)), "seconds": mixed.get("seconds", 0.0)}
     return out
 
@@ -145,6 +150,9 @@ def measure_overhead(profile: Profile, endpoint: Endpoint, lengths: tuple[int, .
     spec = served_shape(endpoint.base_url)
     scales, load = {"prefill_scale": 1.0, "decode_scale": 1.0}, None
     if load_requests > 0:
+        if not read_step_totals(endpoint.base_url):
+            raise ValueError(f"{endpoint.base_url}: its /metrics has no pd_engine_step_* "
+                             "counters (not a pd-cluster server?); pass --load-requests 0")
         input_len = load_input_len or max(lengths)
         rate = load_rate or default_load_rate(profile, spec, input_len, max_num_batched_tokens)
         totals: list[dict] = []
@@ -152,9 +160,6 @@ def measure_overhead(profile: Profile, endpoint: Endpoint, lengths: tuple[int, .
                                          load_output_len, timeout, progress,
                                          lambda: totals.append(read_step_totals(
                                              endpoint.base_url))))
-        if not totals[0]:
-            raise ValueError(f"{endpoint.base_url}: its /metrics has no pd_engine_step_* "
-                             "counters (not a pd-cluster server?); pass --load-requests 0")
         scales = served_scales(profile, *totals)
         load = {"served": str(spec), "requests": load_requests, "rate": rate,
                 "input_len": input_len, "output_len": load_output_len,
