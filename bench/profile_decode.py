@@ -63,7 +63,31 @@ def main() -> None:
         "async_scheduling": engine.async_scheduling,
         "top_kernels": [{"name": e.key[:80], "ms_per_step": e.self_device_time_total
                          / args.steps / 1e3, "calls_per_step": e.count / args.steps}
-                        for e in top]}, indent=1))
+                        for e in top],
+        "idle": idle_gaps(prof, args.steps)}, indent=1))
+
+
+def idle_gaps(prof, steps: int) -> dict:
+    """Where the GPU sat idle between kernels: short gaps (kernel to kernel inside a graph)
+    against long ones (waiting for the host), per step, with the longest gaps' neighbours."""
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
+    gaps = []
+    for a, b in zip(kernels, kernels[1:]):
+        gap = b.time_range.start - a.time_range.end
+        if gap > 0:
+            gaps.append((gap, a.name[:50], b.name[:50]))
+    short = [g for g, _, _ in gaps if g < 5]
+    long = sorted((g for g in gaps if g[0] >= 5), reverse=True)
+    pairs: dict[str, float] = {}
+    for g, a, b in long:
+        pairs[f"{a} -> {b}"] = pairs.get(f"{a} -> {b}", 0.0) + g
+    return {"kernels_per_step": len(kernels) / steps,
+            "short_gaps_ms_per_step": sum(short) / steps / 1e3,
+            "short_gaps_per_step": len(short) / steps,
+            "long_gaps_ms_per_step": sum(g for g, _, _ in long) / steps / 1e3,
+            "long_gap_pairs_ms_per_step": {k: v / steps / 1e3 for k, v in
+                                           sorted(pairs.items(), key=lambda kv: -kv[1])[:12]}}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ writes the chunk's normalised output and log-sum-exp (base 2) to fp32 scratch:
     partial_out [B, num_heads, num_splits, head_dim]    partial_lse [B, num_heads, num_splits]
 
 Stage 2, grid (B, num_heads): merges a sequence's non-empty chunks by their log-sum-exp.
-Chunks are multiples of BLOCK_N long, so short sequences simply use fewer of them.
+Chunks are multiples of BLOCK_N long, so short sequences simply use fewer of them. With one
+chunk per sequence (large batches fill the GPU without splitting) stage 1 writes `out`
+directly and stage 2 is not launched: one kernel less per layer, no fp32 scratch.
 """
 from __future__ import annotations
 
@@ -53,8 +55,10 @@ def _decode_stage1_kernel(
     stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
 ):
+    """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
+    PartialLse is unused; stride_ps is 0."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SeqLens + seq)
     chunk = _split_len(seq_len, num_splits, BLOCK_N)
@@ -77,9 +81,12 @@ def _decode_stage1_kernel(
         kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
         PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False)
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-    tl.store(part + offs_d[None, :], acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(PartialLse + seq * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
-             mask=mask_h)
+    out = acc / l_i[:, None]
+    tl.store(part + offs_d[None, :], out.to(PartialOut.dtype.element_ty),
+             mask=mask_h[:, None] & mask_d[None, :])
+    if not DIRECT:
+        tl.store(PartialLse + seq * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
+                 mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps",
@@ -154,14 +161,21 @@ def decode_attention(
     if num_splits is None:
         max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(q.device))
+    stage1 = functools.partial(
+        _decode_stage1_kernel[(batch, num_kv_heads, num_splits)], q, k_cache, v_cache,
+        block_tables, seq_lens)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               block_tables.stride(0))
+    qk_scale = scale * math.log2(math.e)
+    if num_splits == 1:
+        stage1(out, out, qk_scale, 1, *strides, out.stride(0), out.stride(1), 0, 0, 0,
+               DIRECT=True, **meta)
+        return out
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                               device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse,
-        scale * math.log2(math.e), num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), *partial_out.stride()[:3], *partial_lse.stride()[:2], **meta)
+    stage1(partial_out, partial_lse, qk_scale, num_splits, *strides, *partial_out.stride()[:3],
+           *partial_lse.stride()[:2], DIRECT=False, **meta)
     _decode_stage2_kernel[(batch, num_heads)](
         partial_out, partial_lse, seq_lens, out, num_splits,
         *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),

@@ -9,7 +9,7 @@
 
 Query j of a sequence with q_len new tokens sits at position seq_len - q_len + j and sees
 positions 0..its own. K/V are read from the cache only, so the new tokens must be stored
-first (kv_store); a cached prefix then needs nothing special.
+first (rope_store_kv); a cached prefix then needs nothing special.
 
 Grid (cdiv(max_query_len, BLOCK_M), num_heads, B): a program owns BLOCK_M queries of one head.
 Keys up to its first query's position are visible to all its rows and run without any mask;

@@ -1,14 +1,19 @@
-"""Rotary position embedding, neox style (HF rotate_half), applied in place.
+"""Rotary position embedding (neox style, HF rotate_half) fused with the KV-cache store.
 
     q              [T, num_heads, head_dim]       (any strides with unit head_dim stride)
-    k              [T, num_kv_heads, head_dim]
+    k, v           [T, num_kv_heads, head_dim]
     positions      [T] int
     cos_sin_cache  [max_pos, rotary_dim]: cos(pos * inv_freq) in the first rotary_dim / 2
                    columns, sin in the rest (fp32 recommended; rope scaling is baked in)
+    k/v_cache      [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping   [T] int: token t is stored at block slot // block_size, row
+                   slot % block_size; a negative slot (padding) stores nothing
 
 The first rotary_dim dims of each head are split in halves x1, x2 and become
 (x1 * cos - x2 * sin, x2 * cos + x1 * sin), computed in fp32; dims past rotary_dim are kept.
-One program rotates every head of one token, reading its cos/sin row once.
+`rope_store_kv` rotates q in place and writes the rotated k, and v, to their cache slots (k
+itself is left as it was). One program per token reads its cos/sin row once and does all of
+it: a decode step would otherwise launch a RoPE kernel and a store kernel per layer.
 """
 from __future__ import annotations
 
@@ -18,24 +23,41 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(X, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate the [NUM_HEADS, 2 * HALF] rotary part of one token's heads in place."""
+def _rotate_heads(Src, stride_src, Dst, stride_dst, cos, sin, NUM_HEADS: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the [NUM_HEADS, 2 * HALF] rotary part of one token's heads from Src into Dst
+    (which may be Src: each thread stores only the elements it loaded itself)."""
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_r = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (offs_h < NUM_HEADS) & (offs_r < HALF)
-    first = X + offs_h * stride_h + offs_r
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
+    src = Src + offs_h * stride_src + offs_r
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = Dst + offs_h * stride_dst + offs_r
+    tl.store(dst, (x1 * cos - x2 * sin).to(Dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(Dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(
-    Q, K, Positions, CosSin, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _copy_heads(Src, stride_src, Dst, stride_dst, START: tl.constexpr, END: tl.constexpr,
+                NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Copy dims [START, END) of one token's heads from Src to Dst."""
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = START + tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < NUM_HEADS) & (offs_d < END)
+    x = tl.load(Src + offs_h * stride_src + offs_d, mask=mask)
+    tl.store(Dst + offs_h * stride_dst + offs_d, x.to(Dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    Q, K, V, KCache, VCache, Positions, SlotMapping, CosSin,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_c,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
@@ -43,31 +65,45 @@ def _rope_kernel(
     row = CosSin + pos * stride_c + offs_r
     cos = tl.load(row, mask=offs_r < HALF, other=0.0).to(tl.float32)
     sin = tl.load(row + HALF, mask=offs_r < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(Q + token * stride_qt, stride_qh, cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
-    _rotate_heads(K + token * stride_kt, stride_kh, cos, sin, NUM_KV_HEADS, HALF, BLOCK_KV_H,
-                  BLOCK_HALF)
+    q = Q + token * stride_qt
+    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
+    slot = tl.load(SlotMapping + token).to(tl.int64)
+    if slot >= 0:
+        at = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
+        k = K + token * stride_kt
+        _rotate_heads(k, stride_kh, KCache + at, stride_ch, cos, sin, NUM_KV_HEADS, HALF,
+                      BLOCK_KV_H, BLOCK_HALF)
+        if 2 * HALF < HEAD_DIM:   # partial rotary: the rest of k as it is
+            _copy_heads(k, stride_kh, KCache + at, stride_ch, 2 * HALF, HEAD_DIM,
+                        NUM_KV_HEADS, BLOCK_KV_H, BLOCK_TAIL)
+        _copy_heads(V + token * stride_vt, stride_vh, VCache + at, stride_ch, 0, HEAD_DIM,
+                    NUM_KV_HEADS, BLOCK_KV_H, BLOCK_D)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> None:
-    """Rotate q and k in place by their tokens' positions (module docstring)."""
-    num_tokens, num_heads, _ = q.shape
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Rotate q in place; store rotated k and v at their slots (module docstring)."""
+    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = cos_sin_cache.shape[1] // 2
-    assert q.stride(-1) == k.stride(-1) == cos_sin_cache.stride(-1) == 1
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == cos_sin_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     if num_tokens == 0:
         return
-    _rope_kernel[(num_tokens,)](
-        q, k, positions, cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_H=triton.next_power_of_2(num_heads),
+    _rope_store_kv_kernel[(num_tokens,)](
+        q, k, v, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half))
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_TAIL=triton.next_power_of_2(max(1, head_dim - 2 * half)))
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_pos: int) -> torch.Tensor:
-    """The [max_pos, rotary_dim] fp32 cache for `apply_rope` from inv_freq [rotary_dim / 2]
+    """The [max_pos, rotary_dim] fp32 cache for `rope_store_kv` from inv_freq [rotary_dim / 2]
     (the model applies any rope scaling to inv_freq first)."""
     angles = torch.outer(torch.arange(max_pos, device=inv_freq.device).float(), inv_freq.float())
     return torch.cat([angles.cos(), angles.sin()], dim=-1)

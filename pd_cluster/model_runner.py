@@ -27,6 +27,7 @@ from pd_cluster.models.loader import load_model
 from pd_cluster.request import PENDING_TOKEN, Request
 from pd_cluster.sampler import Sampler, Samples
 from pd_cluster.scheduler import SchedulerOutput
+from pd_cluster.upload import upload
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
 
@@ -180,7 +181,7 @@ class ModelRunner:
             slot_mapping=self._to_device(slots, torch.long),
             query_start_loc=self._to_device(q_start, torch.int32),
             seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=torch.from_numpy(tables).to(self.device, non_blocking=True),
+            block_tables=upload(tables, torch.int32, self.device),
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
             max_query_len=max(s.num_tokens for s in plan.scheduled), max_seq_len=max(seq_lens),
             query_start_loc_cpu=q_start, seq_lens_cpu=seq_lens)
@@ -192,5 +193,4 @@ class ModelRunner:
                 self._to_device(sample_idx, torch.long))
 
     def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        # Non-blocking: a pageable copy is staged at once and does not wait for queued work.
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return upload(values, dtype, self.device)

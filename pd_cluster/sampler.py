@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pd_cluster.request import Request
+from pd_cluster.upload import upload
 
 
 class Sampler:
@@ -33,7 +34,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
-            rows = _on(logits.device, sampled_rows, torch.long)
+            rows = upload(sampled_rows, torch.long, logits.device)
             tokens[rows] = self._sample(logits[rows], [requests[i] for i in sampled_rows])
         top = max((r.params.logprobs or 0 for r in requests if r.params.logprobs is not None),
                   default=None)
@@ -53,11 +54,11 @@ class Sampler:
                 if not r.params.ignore_eos:
                     banned |= r.eos_token_ids
                 if banned:
-                    logits[i, _on(logits.device, sorted(banned), torch.long)] = float("-inf")
+                    logits[i, upload(sorted(banned), torch.long, logits.device)] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         dev = logits.device
-        temp = _on(dev, [r.params.temperature for r in requests], torch.float32)
+        temp = upload([r.params.temperature for r in requests], torch.float32, dev)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
         if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in requests):
             probs = self._filter(probs, requests)   # a full sort of the vocabulary: only if asked
@@ -74,9 +75,9 @@ class Sampler:
     def _filter(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Top-k, then top-p, then min-p; each row keeps at least its most likely token."""
         dev = probs.device
-        top_k = _on(dev, [r.params.top_k or probs.shape[1] for r in requests], torch.long)
-        top_p = _on(dev, [r.params.top_p for r in requests], torch.float32)
-        min_p = _on(dev, [r.params.min_p for r in requests], torch.float32)
+        top_k = upload([r.params.top_k or probs.shape[1] for r in requests], torch.long, dev)
+        top_p = upload([r.params.top_p for r in requests], torch.float32, dev)
+        min_p = upload([r.params.min_p for r in requests], torch.float32, dev)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[1], device=dev)[None, :]
         drop = rank >= top_k[:, None]
@@ -136,7 +137,3 @@ class Samples:
             out.append((tok, lp))
         return out
 
-
-def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small host list on the device without waiting for the device's queued work."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -68,6 +68,7 @@ def check_prefill(cached_and_new, block_size, num_heads, num_kv_heads, head_dim,
     (128, 32, 4, 4, 16, 2),    # MHA, tile inside a block
     (64, 16, 8, 1, 32, 8),     # MQA; short sequences leave trailing splits empty
     (128, 16, 4, 2, 64, None),  # launcher picks the split count
+    (64, 16, 8, 2, 32, 1),     # one split: stage 1 writes the output, no stage 2
 ])
 def test_decode_attention_matches_reference(head_dim, block_size, num_heads, num_kv_heads,
                                             block_n, num_splits):
@@ -110,8 +111,9 @@ def test_empty_batches_launch_nothing():
 @gpu_only
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_decode_attention_at_real_shapes(block_size, head_dim):
-    seq_lens = torch.randint(1, 4097, (24,)).tolist()
+@pytest.mark.parametrize("batch", [24, 96])   # split (3 chunks), unsplit (direct output)
+def test_decode_attention_at_real_shapes(block_size, head_dim, batch):
+    seq_lens = torch.randint(1, 4097, (batch,)).tolist()
     check_decode(seq_lens, block_size, 32, 8, head_dim)
 
 

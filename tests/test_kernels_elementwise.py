@@ -1,4 +1,4 @@
-"""kv_store, RMSNorm, RoPE and SiLU-and-mul kernels against their torch references.
+"""RoPE + KV store, RMSNorm and SiLU-and-mul kernels against their torch references.
 
 Without a GPU they run under TRITON_INTERPRET=1 on CPU; with one, on the GPU.
 These kernels use no tl.dot, so bf16 is checked on CPU too; the interpreter truncates when it
@@ -12,10 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.kv_store import kv_store  # noqa: E402
 from kernels.reference import rms_norm_ref, rope_ref, silu_and_mul_ref, store_kv_ref  # noqa: E402
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import apply_rope, build_cos_sin_cache  # noqa: E402
+from kernels.rope import build_cos_sin_cache, rope_store_kv  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -24,19 +23,38 @@ ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 gpu_only = pytest.mark.skipif(INTERPRETED, reason="real shapes need a CUDA GPU")
 
 
+def check_rope_store_kv(tokens, num_heads, num_kv_heads, head_dim, rotary_dim, block_size,
+                        max_pos, theta, dtype, device, atol):
+    """q rotated in place, rotated k and v at their slots (a padding slot stores nothing, and
+    slots nobody owns keep their contents), k itself unchanged: all as the references do."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device) / rotary_dim))
+    cache = build_cos_sin_cache(inv_freq, max_pos=max_pos)
+    # q, k, v as strided views of one fused qkv projection, as the model produces them.
+    qkv = torch.randn(tokens, num_heads + 2 * num_kv_heads, head_dim, device=device, dtype=dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    k_before = k.clone()
+    positions = torch.randint(0, max_pos, (tokens,), device=device)
+    num_blocks = -(-tokens // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    slots[tokens // 2] = -1
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim,
+                                    device=device, dtype=dtype) for _ in range(2))
+    ref_q, ref_k = rope_ref(q, k, positions, cache)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    store_kv_ref(ref_k, v, ref_k_cache, ref_v_cache, slots)
+    rope_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots)
+    torch.testing.assert_close(q, ref_q, atol=atol, rtol=atol)
+    torch.testing.assert_close(k_cache, ref_k_cache, atol=atol, rtol=atol)
+    assert torch.equal(v_cache, ref_v_cache) and torch.equal(k, k_before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_kv_store_writes_each_token_to_its_slot(dtype, block_size):
-    num_blocks, num_kv_heads, head_dim, tokens = 6, 2, 64, 11
-    k = torch.randn(tokens, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
-    v = torch.randn_like(k)
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
-    slots[3] = -1  # padding token: must not be written
-    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE,
-                          dtype=dtype) for _ in range(4)]
-    kv_store(k, v, caches[0], caches[1], slots)
-    store_kv_ref(k, v, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+@pytest.mark.parametrize("head_dim,rotary_dim,block_size", [(64, 64, 16), (128, 128, 32),
+                                                            (64, 32, 16)])
+def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(dtype, head_dim, rotary_dim,
+                                                          block_size):
+    check_rope_store_kv(11, 4, 2, head_dim, rotary_dim, block_size, 50, 10000.0, dtype,
+                        DEVICE, ATOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -52,22 +70,6 @@ def test_rms_norm_matches_hf_semantics(dtype, with_residual):
     else:
         out, (ref_out, _) = rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6)
     torch.testing.assert_close(out, ref_out, atol=ATOL[dtype], rtol=ATOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (64, 32)])
-def test_rope_rotates_q_and_k_in_place(dtype, head_dim, rotary_dim):
-    tokens, num_heads, num_kv_heads = 7, 4, 2
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, device=DEVICE) / rotary_dim))
-    cache = build_cos_sin_cache(inv_freq, max_pos=50)
-    # q and k as strided views of one fused qkv projection, as the model produces them.
-    qkv = torch.randn(tokens, num_heads + 2 * num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
-    q, k = qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads]
-    positions = torch.randint(0, 50, (tokens,), device=DEVICE)
-    ref_q, ref_k = rope_ref(q, k, positions, cache)
-    apply_rope(q, k, positions, cache)
-    torch.testing.assert_close(q, ref_q, atol=ATOL[dtype], rtol=ATOL[dtype])
-    torch.testing.assert_close(k, ref_k, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,12 +91,4 @@ def test_elementwise_kernels_at_llama_8b_shapes():
     gate_up = torch.randn(tokens, 2 * inter, device="cuda", dtype=dtype)
     torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_ref(gate_up),
                                atol=2e-2, rtol=2e-2)
-    inv_freq = 1.0 / (500000 ** (torch.arange(0, 128, 2, device="cuda") / 128))
-    cache = build_cos_sin_cache(inv_freq, max_pos=8192)
-    q = torch.randn(tokens, 32, 128, device="cuda", dtype=dtype)
-    k = torch.randn(tokens, 8, 128, device="cuda", dtype=dtype)
-    positions = torch.randint(0, 8192, (tokens,), device="cuda")
-    ref_q, ref_k = rope_ref(q, k, positions, cache)
-    apply_rope(q, k, positions, cache)
-    torch.testing.assert_close(q, ref_q, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(k, ref_k, atol=2e-2, rtol=2e-2)
+    check_rope_store_kv(tokens, 32, 8, 128, 128, 16, 8192, 500000.0, dtype, "cuda", 2e-2)

@@ -1,4 +1,5 @@
-"""TritonAttentionBackend gives TorchAttentionBackend's results on decode-first mixed batches.
+"""TritonAttentionBackend gives TorchAttentionBackend's results (RoPE, KV store, attention)
+on decode-first mixed batches.
 
 CPU: TRITON_INTERPRET=1 in fp32, tiny shapes. GPU: bf16 (atol = rtol = 2e-2, as in
 test_kernels_attention.py).
@@ -13,6 +14,7 @@ import torch  # noqa: E402
 from pd_cluster.attention.base import AttentionMetadata  # noqa: E402
 from pd_cluster.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pd_cluster.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pd_cluster.models.layers import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
@@ -64,7 +66,13 @@ def test_triton_backend_matches_torch_backend(cached, new, head_dim, block_size)
     k_cache, v_cache = (torch.randn(cache_shape, dtype=DTYPE, device=DEVICE) for _ in range(2))
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     scale = head_dim ** -0.5
-    out = TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
-    ref = TorchAttentionBackend().forward(q, k, v, ref_k_cache, ref_v_cache, meta, scale)
-    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    rope = RotaryEmbedding(head_dim, 256, 10000.0, None).to(DEVICE)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)]).to(DEVICE)
+    ref = TorchAttentionBackend().forward(q.clone(), k, v, positions, rope, ref_k_cache,
+                                          ref_v_cache, meta, scale)
+    out = TritonAttentionBackend().forward(q, k, v, positions, rope, k_cache, v_cache, meta,
+                                           scale)
+    # The torch backend rotates in the model dtype (as HF does), the kernel in fp32.
+    torch.testing.assert_close(k_cache, ref_k_cache, atol=TOL, rtol=TOL)
+    assert torch.equal(v_cache, ref_v_cache)
     torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)

@@ -21,9 +21,12 @@ attends (causally) to every position up to and including its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from pd_cluster.models.layers import RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -48,7 +51,9 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Stores the new K/V into the paged cache, then attends every query to its context."""
+    """Applies RoPE to the new q and k, stores the new K/V into the paged cache, then attends
+    every query to its context. (RoPE belongs here so that a backend can fuse it with the
+    store: one kernel per layer instead of two.) q may be rotated in place; k is not changed."""
 
     name: str
 
@@ -57,6 +62,8 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,        # [T, num_heads, head_dim]
         k: torch.Tensor,        # [T, num_kv_heads, head_dim]
         v: torch.Tensor,        # [T, num_kv_heads, head_dim]
+        positions: torch.Tensor,  # [T] absolute positions of the new tokens
+        rope: "RotaryEmbedding",
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,

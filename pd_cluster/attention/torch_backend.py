@@ -46,6 +46,8 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, positions, rope, k_cache, v_cache, meta: AttentionMetadata,
+                scale: float):
+        q, k = rope(positions, q, k)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)

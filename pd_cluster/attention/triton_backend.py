@@ -1,16 +1,16 @@
 """Triton attention backend: the `kernels` package behind the AttentionBackend protocol.
 
-One forward stores the new K/V (kv_store), then runs split-KV decode attention on the leading
-`num_decode_tokens` tokens and varlen paged prefill attention on the rest; either part may be
-empty. Needs a GPU, or TRITON_INTERPRET=1 on CPU (slow: tests only).
+One forward rotates q and stores the rotated K and V (rope_store_kv, one kernel), then runs
+split-KV decode attention on the leading `num_decode_tokens` tokens and varlen paged prefill
+attention on the rest; either part may be empty. Needs a GPU, or TRITON_INTERPRET=1 on CPU (slow: tests only).
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.decode_attention import decode_attention
-from kernels.kv_store import kv_store
 from kernels.prefill_attention import prefill_attention
+from kernels.rope import rope_store_kv
 from pd_cluster.attention.base import AttentionMetadata
 
 
@@ -19,9 +19,10 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                rope, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        rope_store_kv(q, k, v, positions, rope.cos_sin, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_decodes = meta.num_decode_tokens
         if num_decodes > 0:

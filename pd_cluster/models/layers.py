@@ -61,13 +61,22 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        # The fused kernel's layout: the non-duplicated halves of cos and sin side by side.
+        # The Triton backend's layout (kernels/rope.py): the non-duplicated halves of cos and
+        # sin side by side. The backend applies it; forward() is the torch version.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, Hkv, D], positions: [T]; returns rotated (q, k)."""
-        return ops.rotary(positions, q, k, self.cos, self.sin, self.cos_sin)
+        """q: [T, H, D], k: [T, Hkv, D], positions: [T]; returns rotated (q, k), computed in
+        the model dtype as HF does."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 class GatedMLP(nn.Module):

@@ -37,9 +37,8 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
         kv = ctx.kv_cache[self.layer_idx]
-        o = ctx.backend.forward(q, k, v, kv[0], kv[1], ctx.attn, self.scale)
+        o = ctx.backend.forward(q, k, v, positions, rope, kv[0], kv[1], ctx.attn, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

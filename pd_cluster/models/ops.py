@@ -16,8 +16,8 @@ def use_triton(enabled: bool) -> None:
     if not enabled:
         _kernels = None
         return
-    from kernels import activation, rmsnorm, rope
-    _kernels = (rmsnorm, rope, activation)
+    from kernels import activation, rmsnorm
+    _kernels = (rmsnorm, activation)
 
 
 def _fast(x: torch.Tensor) -> bool:
@@ -42,24 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor, cos_sin: torch.Tensor):
-    """Neox rotary embedding. cos/sin: [max_pos, D]; cos_sin: [max_pos, D] = (cos | sin) halves."""
-    if _fast(q):
-        _kernels[1].apply_rope(q, k, positions, cos_sin)  # in place
-        return q, k
-    cos_t = cos[positions].unsqueeze(1).to(q.dtype)
-    sin_t = sin[positions].unsqueeze(1).to(q.dtype)
-    return q * cos_t + _rotate_half(q) * sin_t, k * cos_t + _rotate_half(k) * sin_t
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _fast(x):
-        return _kernels[2].silu_and_mul(x)
+        return _kernels[1].silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
