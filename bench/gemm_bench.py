@@ -68,7 +68,10 @@ def main() -> None:
                 for cfg in TRITON_CONFIGS})
             row = {"shape": name, "M": m, "N": n, "K": k}
             for label, fn in variants.items():
-                err = ((fn(xs[0], ws[0]).float() - ref).norm() / ref.norm()).item()
+                try:
+                    err = ((fn(xs[0], ws[0]).float() - ref).norm() / ref.norm()).item()
+                except triton.runtime.errors.OutOfResources:
+                    continue
                 if not err < 1e-2:
                     row[label] = {"error": err}
                     continue

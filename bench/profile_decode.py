@@ -1,6 +1,6 @@
 """Where a decode step's time goes on GPU: wall time vs GPU kernel time, and top kernels.
 
-    python bench/profile_decode.py [--batch 64] [--context 1024]
+    python bench/profile_decode.py [--batch 64[,128,...]] [--context 1024]
 
 Prints JSON: per-step wall ms, per-step CUDA kernel ms (sum of kernel durations), the host
 time spent in `engine.step()`, and the ten kernels with the most time. With async scheduling
@@ -25,7 +25,7 @@ from pd_cluster import LLM, SamplingParams  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", default="64", help="comma-separated batch sizes, one engine")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sync", action="store_true", help="async_scheduling off")
@@ -33,38 +33,50 @@ def main() -> None:
     llm = LLM(dummy_model_dir(), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, max_model_len=4096,
               async_scheduling=not args.sync)
-    engine, rng = llm.engine, random.Random(0)
+    results = [profile_batch(llm.engine, int(b), args.context, args.steps)
+               for b in args.batch.split(",")]
+    print(json.dumps(results[0] if len(results) == 1 else results, indent=1))
+
+
+def profile_batch(engine, batch: int, context: int, steps: int) -> dict:
+    rng = random.Random(batch)
     # Room for every token until the profiled steps end: no request finishes before then.
-    params = SamplingParams(temperature=0, max_tokens=4000 - args.context, ignore_eos=True)
-    for _ in range(args.batch):
-        engine.add_request([rng.randrange(1000, 120000) for _ in range(args.context)], params)
-    while any(r.num_computed_tokens < args.context for r in engine.scheduler.running) \
+    params = SamplingParams(temperature=0, max_tokens=4000 - context, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(1000, 120000) for _ in range(context)], params)
+           for _ in range(batch)]
+    while any(r.num_computed_tokens < context for r in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
     host = 0.0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # CUDA activity only: recording every host op would slow the host enough to open gaps.
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(steps):
             a = time.perf_counter()
             engine.step()
             host += time.perf_counter() - a
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.steps
+        wall = (time.perf_counter() - t0) / steps
+    running = len(engine.scheduler.running)
+    for i in ids:
+        engine.abort(i)
+    while engine.has_unfinished():
+        engine.step()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    kernel_us = sum(e.self_device_time_total for e in events) / args.steps
-    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:10]
-    print(json.dumps({
-        "batch": args.batch, "running": len(engine.scheduler.running),
-        "context": args.context, "wall_ms": wall * 1e3,
-        "gpu_kernel_ms": kernel_us / 1e3, "step_call_ms": host / args.steps * 1e3,
+    kernel_us = sum(e.self_device_time_total for e in events) / steps
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:14]
+    return {
+        "batch": batch, "running": running,
+        "context": context, "wall_ms": wall * 1e3,
+        "gpu_kernel_ms": kernel_us / 1e3, "step_call_ms": host / steps * 1e3,
         "async_scheduling": engine.async_scheduling,
         "top_kernels": [{"name": e.key[:80], "ms_per_step": e.self_device_time_total
-                         / args.steps / 1e3, "calls_per_step": e.count / args.steps}
+                         / steps / 1e3, "calls_per_step": e.count / steps}
                         for e in top],
-        "idle": idle_gaps(prof, args.steps)}, indent=1))
+        "idle": idle_gaps(prof, steps)}
 
 
 def idle_gaps(prof, steps: int) -> dict:

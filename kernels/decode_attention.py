@@ -6,7 +6,7 @@
     seq_lens      [B] int32: context length including the new token (>= 1)
     out           [B, num_heads, head_dim]
 
-Stage 1, grid (B, num_kv_heads, num_splits): a program takes one contiguous chunk of a
+Stage 1, grid (num_kv_heads, B, num_splits): a program takes one contiguous chunk of a
 sequence's context and all query heads of one KV head as a [BLOCK_H, head_dim] tile (group
 padded to >= 16 rows for tl.dot), so each K/V tile is read from memory once per group. It
 writes the chunk's normalised output and log-sum-exp (base 2) to fp32 scratch:
@@ -59,7 +59,9 @@ def _decode_stage1_kernel(
 ):
     """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
     PartialLse is unused; stride_ps is 0."""
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # KV heads vary fastest across programs: the group of programs that runs together reads
+    # all heads of the same blocks, whose rows lie side by side in memory.
+    kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SeqLens + seq)
     chunk = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * chunk
@@ -162,7 +164,7 @@ def decode_attention(
         max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(q.device))
     stage1 = functools.partial(
-        _decode_stage1_kernel[(batch, num_kv_heads, num_splits)], q, k_cache, v_cache,
+        _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,
         block_tables, seq_lens)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0))

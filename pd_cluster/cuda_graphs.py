@@ -11,6 +11,7 @@ import torch
 
 from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
 from pd_cluster.forward_context import ForwardContext
+from pd_cluster.models import ops
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -35,7 +36,9 @@ class DecodeGraphs:
         pool = None
         for bs in sorted(capture_sizes(max_batch), reverse=True):  # largest first: shared pool
             ctx = ForwardContext(self._meta(bs), kv_cache, backend)
-            self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)  # warm-up / compile
+            with ops.choosing_gemm_kernels():   # warm-up: compile, and pick each GEMM's kernel
+                self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)
+                model.compute_logits(self.out[:bs])   # the step's lm_head, outside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)

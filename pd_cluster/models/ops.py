@@ -1,23 +1,48 @@
-"""Elementwise ops of the models: torch versions, and fused Triton kernels on GPU.
+"""Ops of the models: torch versions, and Triton kernels on GPU.
 
 `use_triton(True)` is called by the model runner when the Triton backend is selected; the
 kernels then serve CUDA tensors and the torch code serves everything else.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 _kernels = None  # the kernels modules, once enabled
+_linear = None   # kernels.linear.Dispatch, once enabled
 
 
 def use_triton(enabled: bool) -> None:
-    global _kernels
+    global _kernels, _linear
     if not enabled:
-        _kernels = None
+        _kernels = _linear = None
         return
-    from kernels import activation, rmsnorm
+    from kernels import activation, linear, rmsnorm
     _kernels = (rmsnorm, activation)
+    _linear = linear.Dispatch()
+
+
+@contextlib.contextmanager
+def choosing_gemm_kernels():
+    """Within: each GEMM of a new small-batch shape times cuBLAS against the Triton kernel
+    and keeps the faster (the CUDA-graph warm-up runs, before each capture). Outside, shapes
+    never measured take cuBLAS, so serving never stops to time anything."""
+    if _linear is None:
+        yield
+        return
+    _linear.measuring = True
+    try:
+        yield
+    finally:
+        _linear.measuring = False
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if _linear is not None and x.is_cuda:
+        return _linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _fast(x: torch.Tensor) -> bool:
