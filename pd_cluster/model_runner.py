@@ -27,7 +27,7 @@ from pd_cluster.models.loader import load_model
 from pd_cluster.request import PENDING_TOKEN, Request
 from pd_cluster.sampler import Sampler, Samples
 from pd_cluster.scheduler import SchedulerOutput
-from pd_cluster.upload import upload
+from pd_cluster.upload import upload_many
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
 
@@ -177,20 +177,17 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < len(plan.scheduled) and plan.scheduled[num_decodes].num_tokens == 1:
             num_decodes += 1
+        i64 = [np.asarray(v, dtype=np.int64) for v in (ids, pos, slots, sample_idx, fill_at,
+                                                        fill_from)]
+        i32 = [np.asarray(v, dtype=np.int32) for v in (q_start, seq_lens)]
+        (input_ids, positions, slot_mapping, sample_rows, fill_at_d, fill_from_d,
+         query_start_loc, seq_lens_d, block_tables) = upload_many(i64 + i32 + [tables],
+                                                                  self.device)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.long),
-            query_start_loc=self._to_device(q_start, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=upload(tables, torch.int32, self.device),
-            num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens_d,
+            block_tables=block_tables, num_decodes=num_decodes, num_decode_tokens=num_decodes,
             max_query_len=max(s.num_tokens for s in plan.scheduled), max_seq_len=max(seq_lens),
             query_start_loc_cpu=q_start, seq_lens_cpu=seq_lens)
-        input_ids = self._to_device(ids, torch.long)
         if fill_at:
-            input_ids[self._to_device(fill_at, torch.long)] = \
-                prev.samples.tokens[self._to_device(fill_from, torch.long)]
-        return (input_ids, self._to_device(pos, torch.long), meta,
-                self._to_device(sample_idx, torch.long))
-
-    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return upload(values, dtype, self.device)
+            input_ids[fill_at_d] = prev.samples.tokens[fill_from_d]
+        return input_ids, positions, meta, sample_rows
