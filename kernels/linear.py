@@ -1,12 +1,15 @@
 """Matmul for decode-sized batches: y = x @ w.T, the weight streamed once from memory.
 
-    x  [M, K]   activations, M small (a decode batch), unit stride on K
+    x  [M, K]   activations, M small (a decode batch), unit stride on K; bf16 or fp16 (the
+                tiles are sized for 2-byte elements: fp32 ones would not fit shared memory)
     w  [N, K]   an nn.Linear weight, contiguous
     y  [M, N]   x's dtype
 
 A decode step's GEMMs read every weight once and do little arithmetic per byte, so their
-speed is the rate at which the weight streams in. Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)):
-a program owns BLOCK_N output columns and all of K; its x rows come from L2.
+speed is the rate at which the weight streams in. Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)):
+a program owns BLOCK_M rows and BLOCK_N output columns over all of K; its x rows come from
+L2. Row tiles vary fastest, so the programs that share a weight tile run together and only
+the first of them reads it from memory.
 
 cuBLAS is faster on some shapes and slower on others (bench/gemm_bench.py on an H200 at
 M = 64: this kernel 61 against 64 us for gate_up, 35 against 37 for down, 259 against 282
@@ -21,13 +24,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 64          # above this, cuBLAS' larger tiles win (bench/gemm_bench.py, M = 128)
+MAX_ROWS = 256         # a decode batch; prefill-sized GEMMs are cuBLAS' (compute-bound)
 
 
 @triton.jit
 def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -59,7 +62,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, block_n: int | None = None,
     block_n, block_k = block_n or default_n, block_k or default_k
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
                          num_stages=num_stages)
@@ -77,7 +80,8 @@ class Dispatch:
     def __call__(self, x: torch.Tensor, w: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
-        if m > MAX_ROWS or bias is not None or not x.is_contiguous():
+        if (m > MAX_ROWS or bias is not None or not x.is_contiguous()
+                or x.dtype not in (torch.bfloat16, torch.float16)):
             return F.linear(x, w, bias)
         key = (m, w.shape[0], w.shape[1])
         use = self.choice.get(key)
