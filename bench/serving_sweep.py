@@ -343,6 +343,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the recommended config, unless the profile has one; tune then uses it")
     v.add_argument("--serving-load-requests", type=int, default=64, help="requests of "
                    "profile-serving's load phase (its served step scales; default 64)")
+    v.add_argument("--serving-load-rate", type=float, help="arrivals/s of that load phase "
+                   "(default: the highest rate validated on that config)")
     v.set_defaults(func=validate)
     r = sub.add_parser("rejudge", help="a sweep.json's requests judged under other SLOs")
     r.add_argument("sweep_json")

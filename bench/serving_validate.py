@@ -66,7 +66,10 @@ def validate(opts: argparse.Namespace) -> int:
                 if opts.serving_overhead_lengths and profile.serving_overhead is None:
                     # Measured on the first recommended config, then tune runs again with it:
                     # the recommendation may move, and this server measures only what stays.
-                    profile = add_serving_overhead(opts, profile, url, engine, out)
+                    # Its load phase at the rate being validated: served steps slow down with
+                    # the arrivals that land during them, so the scales are load-dependent.
+                    load_rate = opts.serving_load_rate or max(p["rate"] for _, p in predictions)
+                    profile = add_serving_overhead(opts, profile, url, engine, out, load_rate)
                     result["profile"] = Path(opts.profile).name
                     plans = predict_all(opts, engine, out)
                     predictions = plans.pop(dep, [])
@@ -101,7 +104,8 @@ def predict_all(opts: argparse.Namespace, engine, out: Path) -> dict:
     return plans
 
 
-def add_serving_overhead(opts: argparse.Namespace, profile, url: str, engine, out: Path):
+def add_serving_overhead(opts: argparse.Namespace, profile, url: str, engine, out: Path,
+                         load_rate: float):
     """`pd-cluster profile-serving` against `url`; opts.profile becomes the copy it writes."""
     copy = out / f"{Path(opts.profile).stem}_serving.json"
     # Its load phase at the workload's lengths when they are fixed ones.
@@ -111,6 +115,7 @@ def add_serving_overhead(opts: argparse.Namespace, profile, url: str, engine, ou
     if pd_cluster(["profile-serving", "--profile", opts.profile, "--url", url,
                    "--lengths", opts.serving_overhead_lengths, *load,
                    "--load-requests", str(opts.serving_load_requests),
+                   "--load-rate", f"{load_rate:g}",
                    "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
                    "--timeout", str(opts.timeout), "-o", str(copy), "--quiet"]) != 0:
         raise RuntimeError("pd-cluster profile-serving failed (its error is above)")

@@ -12,9 +12,9 @@ L2. Row tiles vary fastest, so the programs that share a weight tile run togethe
 the first of them reads it from memory.
 
 cuBLAS is faster on some shapes and slower on others (bench/gemm_bench.py on an H200 at
-M = 64: this kernel 61 against 64 us for gate_up, 35 against 37 for down, 259 against 282
-for lm_head; slower for qkv), so `Dispatch` times both on the first call of each shape and
-keeps the faster; only while `measuring` is set (the engine sets it for its CUDA-graph
+M = 64: this kernel 62 against 64 us for gate_up, 35 against 37 for down, 268 against 285
+for lm_head; slower for qkv and o), so `Dispatch` times both on the first call of each
+shape and keeps the faster; only while `measuring` is set (the engine sets it for its CUDA-graph
 warm-up runs, never inside a capture), and a shape never measured takes cuBLAS.
 """
 from __future__ import annotations
@@ -24,7 +24,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 256         # a decode batch; prefill-sized GEMMs are cuBLAS' (compute-bound)
+# Above this cuBLAS won every shape measured (bench/gemm_bench.py, H200, M = 128 and 256),
+# so larger batches are not even timed.
+MAX_ROWS = 64
 
 
 @triton.jit

@@ -43,7 +43,7 @@ def test_dispatch_outside_measuring_takes_cublas_and_records_nothing():
 
 @gpu_only
 @pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 48, 64, 256])
+@pytest.mark.parametrize("m", [1, 48, 64])
 def test_dispatch_measures_once_and_matches_matmul(m, n, k):
     dispatch = Dispatch()
     x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
