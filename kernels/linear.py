@@ -12,9 +12,9 @@ L2. Row tiles vary fastest, so the programs that share a weight tile run togethe
 the first of them reads it from memory.
 
 cuBLAS is faster on some shapes and slower on others (bench/gemm_bench.py on an H200 at
-M = 64: this kernel 62 against 64 us for gate_up, 35 against 37 for down, 268 against 285
-for lm_head; slower for qkv and o), so `Dispatch` times both on the first call of each
-shape and keeps the faster; only while `measuring` is set (the engine sets it for its CUDA-graph
+M = 64: this kernel 35 against 37 us for down, 268 against 285 for lm_head, even for
+gate_up; slower for qkv and o), so `Dispatch` times both on the first call of each shape
+and keeps the faster; only while `measuring` is set (the engine sets it for its CUDA-graph
 warm-up runs, never inside a capture), and a shape never measured takes cuBLAS.
 """
 from __future__ import annotations

@@ -83,3 +83,8 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2 * I] = [gate | up] -> [T, I] (HF LlamaMLP order)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T in float64: the small-batch GEMM's reference."""
+    return x.double() @ w.double().T

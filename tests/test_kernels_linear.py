@@ -13,6 +13,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels.linear import MAX_ROWS, Dispatch, linear  # noqa: E402
+from kernels.reference import linear_ref  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
@@ -20,7 +21,7 @@ gpu_only = pytest.mark.skipif(INTERPRETED, reason="timing and real shapes need a
 
 
 def rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
-    ref = x.double() @ w.double().T
+    ref = linear_ref(x, w)
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
