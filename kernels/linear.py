@@ -12,8 +12,8 @@ L2. Row tiles vary fastest, so the programs that share a weight tile run togethe
 the first of them reads it from memory.
 
 cuBLAS is faster on some shapes and slower on others (bench/gemm_bench.py on an H200 at
-M = 64: this kernel 35 against 37 us for down, 268 against 285 for lm_head, even for
-gate_up; slower for qkv and o), so `Dispatch` times both on the first call of each shape
+M = 64: this kernel 35 against 37 us for down and 268 against 285 for lm_head, level for
+gate_up, slower for qkv and o), so `Dispatch` times both on the first call of each shape
 and keeps the faster; only while `measuring` is set (the engine sets it for its CUDA-graph
 warm-up runs, never inside a capture), and a shape never measured takes cuBLAS.
 """
