@@ -82,8 +82,8 @@ def main() -> None:
             res["rows"].append(row)
             default = row["triton tiles(K)"]["us"]
             print(f"{name:8s} M={m:4d} cublas {row['cublas']['us']:8.2f} us "
-                  f"| tiles(K) {default:8.2f} us "
-                  f"{row['cublas']['TBps']:.2f} TB/s | best triton {best[0]:8.2f} us "
+                  f"{row['cublas']['TBps']:.2f} TB/s | tiles(K) {default:8.2f} us "
+                  f"| best triton {best[0]:8.2f} us "
                   f"{n * k * 2 / best[0] / 1e6:.2f} TB/s  {best[1]}", flush=True)
         del weights
         torch.cuda.empty_cache()
