@@ -8,6 +8,7 @@ import math
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 from pd_cluster.cli import main as pd_cluster  # noqa: E402
 from pd_cluster.tuning.slo import SLO  # noqa: E402
 from pd_cluster.tuning.workload import Workload  # noqa: E402
+from bench.validate_diagnostics import replay, ttft_parts  # noqa: E402
 from bench.serving_app import (  # noqa: E402
     app_args, bench, compact, Deployment, kv_capacity, lifetime, point_stats, quantile_name,
     run_header, serving, slo_of, wait_idle, warm_up, whole_run, write_json)
@@ -76,9 +78,17 @@ def validate(opts: argparse.Namespace) -> int:
                     todo = list(plans.items())
                 for seed, predicted in predictions:
                     print(f"{dep}: rate {predicted['rate']:g} req/s", flush=True)
-                    measured = measure_like_tune(url, opts, slo, predicted["rate"], seed)
+                    measured, report = measure_like_tune(url, opts, slo, predicted["rate"],
+                                                         seed)
+                    # The same model on bench's own arrivals: what is left is the model's.
+                    window = slice(measured["warm_up_requests"],
+                                   measured["warm_up_requests"] + opts.requests)
+                    replayed = replay(profile, predicted["limits"], dep.num_prefill,
+                                      dep.num_decode, report, window, predicted["rate"], slo)
                     result["points"].append({**compare(predicted, measured, opts.tolerance,
                                                        slo, profile),
+                                             "on_measured_arrivals": compare_replay(
+                                                 replayed, measured, opts.tolerance, slo),
                                              "config": str(dep), "rate": predicted["rate"],
                                              "served_kv_capacity_tokens": capacity})
                     write_json(result, out / "validate.json")
@@ -158,11 +168,13 @@ def predict(opts: argparse.Namespace, engine, rate: float, out: Path) -> dict:
 
 
 def measure_like_tune(url: str, opts: argparse.Namespace, slo: SLO, rate: float,
-                      seed: int) -> dict:
-    """Bench at `rate` with tune's warm-up and cool-down; numbers of the middle slice."""
+                      seed: int) -> tuple[dict, dict]:
+    """Bench at `rate` with tune's warm-up and cool-down: numbers of the middle slice (with
+    where their TTFT went inside the server), and bench's whole report."""
     probe = Workload.from_args(None, opts.input_len, opts.output_len).sample(
         opts.tune_requests, np.random.default_rng(opts.seed))      # tune's first draw
     pad = math.ceil(rate * (slo.ttft + (max(o for _, o in probe) - 1) * slo.tpot))
+    since = time.monotonic()
     report = bench(url, opts, ["--rate", f"{rate:g}"], opts.requests + 2 * pad, seed)
     inside = report["records"][pad:pad + opts.requests]
     point = point_stats(inside, rate, max(inside[-1]["start"] - inside[0]["start"], 1e-9), slo)
@@ -176,10 +188,19 @@ def measure_like_tune(url: str, opts: argparse.Namespace, slo: SLO, rate: float,
             "warm_up_requests": pad, "mean_decode_s": mean([r["e2e"] - r["ttft"] for r in ok]),
             "mean_prompt_tokens": mean([r["prompt_tokens"] or r["input_len"] for r in ok]),
             "mean_output_tokens": mean([r["output_tokens"] for r in ok]),
-            "whole_run": whole_run(report), "records": compact(inside)}
+            "whole_run": whole_run(report), "records": compact(inside),
+            "ttft_parts": ttft_parts(report, since, slice(pad, pad + opts.requests))}, report
 
 
-def compare(predicted: dict, measured: dict, tolerance: float, slo: SLO, profile) -> dict:
+def compare_replay(replayed: dict, measured: dict, tolerance: float, slo: SLO) -> dict:
+    """Relative errors of the simulator on bench's own arrivals (`replay`)."""
+    checks = compare({**replayed, "config": "", "rate": 0.0}, measured, tolerance, slo,
+                     None, diagnosis=False)
+    return {"pass": checks["pass"], "checks": checks["checks"], "predicted": replayed}
+
+
+def compare(predicted: dict, measured: dict, tolerance: float, slo: SLO, profile,
+            diagnosis: bool = True) -> dict:
     """Relative errors (measured - predicted) / predicted; pass when all are within tolerance."""
     checks = {}
     for name in ("ttft_p50", f"ttft_{quantile_name(slo)}", "tpot_p50", f"tpot_{quantile_name(slo)}", "goodput"):
@@ -189,11 +210,13 @@ def compare(predicted: dict, measured: dict, tolerance: float, slo: SLO, profile
         checks[name] = {"predicted": p, "measured": m,
                         "relative_error": None if err is None or math.isinf(err) else err,
                         "within": err is not None and abs(err) <= tolerance}
-    return {"pass": all(c["within"] for c in checks.values()), "checks": checks,
-            "slo_attainment": {"predicted": predicted["slo_attainment"],
-                               "measured": measured["slo_attainment"]},
-            "diagnosis": diagnose(predicted, measured, profile),
-            "predicted": predicted, "measured": measured}
+    out = {"pass": all(c["within"] for c in checks.values()), "checks": checks,
+           "slo_attainment": {"predicted": predicted["slo_attainment"],
+                              "measured": measured["slo_attainment"]}}
+    if diagnosis:
+        out.update(diagnosis=diagnose(predicted, measured, profile), predicted=predicted,
+                   measured=measured)
+    return out
 
 
 def diagnose(predicted: dict, measured: dict, profile) -> dict:

@@ -40,6 +40,10 @@ class Side:
     def descriptor(self) -> bytes:
         return self.t.descriptor().encode()
 
+    def settings(self) -> dict | None:
+        """The UCX parameters NIXL was given (None for other backends)."""
+        return getattr(self.t, "ucx_params", None)
+
     def connect(self, desc: bytes) -> str:
         return self.t.connect(desc)
 
@@ -137,7 +141,8 @@ def run(args: argparse.Namespace) -> dict:
     rounds = args.warmup + args.iters
     out = dict(backend=args.backend, devices=args.devices, tokens=args.tokens,
                block_size=args.block_size, layers=args.layers, dtype=args.dtype,
-               prompt_kv_bytes=nbytes, node_gpus=torch.cuda.device_count())
+               prompt_kv_bytes=nbytes, node_gpus=torch.cuda.device_count(),
+               ucx_params=ray.get(sender.settings.remote()))
     whole = [range(layout.num_layers)]
     layer = [range(i, i + 1) for i in range(layout.num_layers)]
     for name, ranges, reps in (("whole_prompt", whole, rounds), ("per_layer_pipelined", layer, rounds)):

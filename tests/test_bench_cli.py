@@ -12,6 +12,7 @@ tests/test_router_serve.py; it takes about a minute to load the model.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ def server():
 def test_bench_reports_every_metric_and_goodput_matches_its_records(server: str,
                                                                      tmp_path: Path):
     report_path = tmp_path / "bench.json"
+    before = time.monotonic()
     assert main(["bench", "--base-url", server, "-n", "12", "--rate", "4",
                  "--input-len", "32", "--output-len", "16", "--ttft-slo", "5s",
                  "--tpot-slo", "500ms", "--timeout", "120", "--quiet",
@@ -65,6 +67,11 @@ def test_bench_reports_every_metric_and_goodput_matches_its_records(server: str,
     for r in records:
         assert r["ttft"] <= r["e2e"] and len(r["itl"]) >= 1
         assert r["tpot"] == pytest.approx((r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1))
+    # Each record names the server's response id, and its send is on the host's monotonic
+    # clock (origin + start), so server-side stamps can be joined with it.
+    assert len({r["response_id"] for r in records}) == 12 and all(r["response_id"] for r in records)
+    origin = report["records_clock_origin"]
+    assert before <= origin + first and origin + last <= time.monotonic()
 
 
 def test_concurrency_mode_and_a_tight_slo_lower_goodput(server: str, tmp_path: Path):

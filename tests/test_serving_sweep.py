@@ -180,6 +180,14 @@ def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profil
     assert point["diagnosis"]["profile_decode_step_s"] > 0
     assert math.isfinite(point["diagnosis"]["decode_batch_per_instance"])
     assert (out / "tune_goodput_per_gpu.png").read_bytes().startswith(PNG_SIGNATURE)
+    # The same simulator on bench's own arrivals, judged the same way.
+    replayed = point["on_measured_arrivals"]
+    assert set(replayed["checks"]) == set(point["checks"])
+    for name, check in replayed["checks"].items():
+        assert check["predicted"] == replayed["predicted"][name]
+        assert check["measured"] == measured[name]
+    assert replayed["pass"] == all(c["within"] for c in replayed["checks"].values())
+    assert measured["ttft_parts"] is None      # colocated: no prefill actor to ask
 
 
 def test_summary_interpolates_where_attainment_crosses_the_percentile():
@@ -246,3 +254,20 @@ def test_rejudge_applies_other_slos_to_the_same_requests(tmp_path: Path):
     ratio = result["summary"]["disagg_over_colocated"]["disagg:1:1 / colo:2"]
     assert ratio["goodput_per_gpu_meeting_slo"] == 1.0 and ratio["bound"].startswith("more than")
     assert out.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_ttft_parts_join_bench_records_with_prefill_stamps():
+    from bench.validate_diagnostics import PARTS, join_parts
+    records = [{"response_id": "cmpl-a", "start": 1.0, "ttft": 0.2, "ok": True},
+               {"response_id": "cmpl-b", "start": 2.0, "ttft": 0.3, "ok": True},
+               {"response_id": "cmpl-c", "start": 3.0, "ttft": None, "ok": False},
+               {"response_id": "cmpl-d", "start": 4.0, "ttft": 0.1, "ok": True}]  # no stamps
+    stamps = {"cmpl-a-0": (101.01, 101.15, 101.15, 101.16),  # D's blocks known first
+              "cmpl-b-0": (102.02, 102.20, 102.25, 102.26),  # known after the first token
+              "cmpl-c-0": (103.01, 103.2, 103.2, 103.3)}
+    parts = join_parts(records, 100.0, stamps)
+    assert parts.shape == (2, len(PARTS))
+    assert parts[0] == pytest.approx([0.01, 0.14, 0.0, 0.01, 0.04])
+    assert parts[1] == pytest.approx([0.02, 0.18, 0.05, 0.01, 0.04])
+    assert parts.sum(axis=1) == pytest.approx([0.2, 0.3])     # the parts are the TTFT
+    assert join_parts(records, None, stamps).shape == (0, len(PARTS))

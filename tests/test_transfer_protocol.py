@@ -69,6 +69,20 @@ def test_unknown_or_missing_backend_says_what_to_do(monkeypatch) -> None:
         make_transport("nixl")
 
 
+def test_nixl_ucx_params_default_to_four_workers_for_gpu_pools_only(monkeypatch) -> None:
+    nixl_transport = pytest.importorskip("transfer.nixl_transport")
+    env, params = nixl_transport.UCX_PARAMS_ENV, nixl_transport.ucx_params_from_env
+    monkeypatch.delenv(env, raising=False)
+    assert params(on_gpu=True) == {"num_workers": "4"} and params(on_gpu=False) == {}
+    monkeypatch.setenv(env, "num_workers=1, num_threads=2")    # the operator's word wins
+    assert params(on_gpu=True) == params(on_gpu=False) == {"num_workers": "1", "num_threads": "2"}
+    monkeypatch.setenv(env, "")                                # set but empty: UCX's defaults
+    assert params(on_gpu=True) == {}
+    monkeypatch.setenv(env, "num_workers")
+    with pytest.raises(ValueError, match="expected name=value"):
+        params(on_gpu=True)
+
+
 def _pair(backend: str, layout_b=None, **kwargs):
     layout = tiny_layout()
     a, b = make_transport(backend, **kwargs), make_transport(backend, **kwargs)

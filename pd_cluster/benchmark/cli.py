@@ -55,13 +55,14 @@ def _bench(args: argparse.Namespace) -> int:
     base = base if base.endswith("/v1") else f"{base}/v1"
     model = args.model or asyncio.run(_first_model(base, args.api_key))
     endpoint = Endpoint(base, model, args.api_key, args.chat)
-    records, duration = asyncio.run(run_load(endpoint, workload, load, not args.quiet))
+    records, duration, t0 = asyncio.run(run_load(endpoint, workload, load, not args.quiet))
     report = summarize(records, duration, slo)
     report["config"] = {"base_url": base, "model": model, "chat": args.chat,
                         "workload": workload.source, **asdict(load)}
     print(format_summary(report))
     if args.output:
         report["records"] = [asdict(r) for r in records]
+        report["records_clock_origin"] = t0   # records' `start` + this = the send's monotonic time
         with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {args.output}")

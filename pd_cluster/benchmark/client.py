@@ -31,6 +31,7 @@ class RequestRecord:
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
     met_slo: bool = False
+    response_id: str = ""               # the server's id for it (joins server-side stamps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ async def _stream(session: aiohttp.ClientSession, endpoint: Endpoint, record: Re
                 continue
             data = json.loads(line[5:])
             now = time.perf_counter()
+            record.response_id = record.response_id or data.get("id") or ""
             if data.get("usage"):
                 record.prompt_tokens = data["usage"].get("prompt_tokens")
                 record.output_tokens = data["usage"].get("completion_tokens") or 0

@@ -46,9 +46,10 @@ def make_prompt(num_words: int, rng: np.random.Generator) -> str:
 
 
 async def run_load(endpoint: Endpoint, workload: Workload, load: LoadSettings,
-                   progress: bool = True) -> tuple[list[RequestRecord], float]:
-    """Send the workload; returns per-request records (in request order) and the duration
-    from the first send to the last completion."""
+                   progress: bool = True) -> tuple[list[RequestRecord], float, float]:
+    """Send the workload; returns per-request records (in request order), the duration
+    from the first send to the last completion, and the `time.perf_counter()` the records'
+    `start` counts from (CLOCK_MONOTONIC on Linux, as servers' `time.monotonic()` stamps)."""
     rng = np.random.default_rng(load.seed)
     lengths = workload.sample(load.num_requests, rng)
     prompts = [make_prompt(i, rng) for i, _ in lengths]
@@ -71,7 +72,7 @@ async def run_load(endpoint: Endpoint, workload: Workload, load: LoadSettings,
     bar.close()
     sent = [r for r in records if r.e2e is not None or r.error]
     end = max((r.start + (r.e2e or 0.0) for r in sent), default=0.0)
-    return sent, max(end - min((r.start for r in sent), default=0.0), 1e-9)
+    return sent, max(end - min((r.start for r in sent), default=0.0), 1e-9), t0
 
 
 async def _open_loop(one, arrivals: np.ndarray, load: LoadSettings, t0: float) -> None:
