@@ -19,10 +19,10 @@ sys.path.insert(0, str(ROOT))
 from pd_cluster.cli import main as pd_cluster  # noqa: E402
 from pd_cluster.tuning.slo import SLO  # noqa: E402
 from pd_cluster.tuning.workload import Workload  # noqa: E402
-from bench.validate_diagnostics import replay, ttft_parts  # noqa: E402
 from bench.serving_app import (  # noqa: E402
     app_args, bench, compact, Deployment, kv_capacity, lifetime, point_stats, quantile_name,
     run_header, serving, slo_of, wait_idle, warm_up, whole_run, write_json)
+from bench.validate_diagnostics import replay, ttft_parts  # noqa: E402
 
 VALIDATE_DEFINITIONS = {
     "percentiles": "numpy percentiles over the measured requests, in the simulator and here",
