@@ -145,7 +145,8 @@ def cpu_profile(tmp_path: Path) -> Path:
 @slow
 def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profile: Path):
     out = tmp_path / "validate"
-    serving_sweep.main(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "1",
+    serving_sweep.main(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "2",
+                        "--no-colocated",
                         "--requests", "6", "--tune-requests", "50", *LOAD,
                         "--ttft-slo", "2s", "--tpot-slo", "500ms",
                         "--serving-overhead-lengths", "16,64", "--serving-load-requests", "6",
@@ -159,9 +160,9 @@ def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profil
     assert served.load["input_len"] == 24 and served.load["output_len"] == 6   # the workload's
     assert set(result["definitions"]) >= {"ttft", "tpot", "goodput", "warm_up"}
     [point] = result["points"]
-    assert point["config"] == "colo:1" and point["rate"] == 2.0    # one GPU: colocated only
+    assert point["config"] == "disagg:1:1" and point["rate"] == 2.0  # the only candidate
     predicted, measured = point["predicted"], point["measured"]
-    assert "colocated x1" in predicted["tune_table"]
+    assert "1P1D" in predicted["tune_table"]
     # tune's warm-up: ceil(rate x (TTFT SLO + (output - 1) x TPOT SLO)) = ceil(2 x 4.5) = 9.
     assert measured["warm_up_requests"] == 9 and measured["measured"] == 6
     assert measured["whole_run"]["requests"] == 6 + 2 * 9
@@ -187,7 +188,13 @@ def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profil
         assert check["predicted"] == replayed["predicted"][name]
         assert check["measured"] == measured[name]
     assert replayed["pass"] == all(c["within"] for c in replayed["checks"].values())
-    assert measured["ttft_parts"] is None      # colocated: no prefill actor to ask
+    # Every measured request's TTFT, cut at P's own stamps: the parts add up to it.
+    parts = measured["ttft_parts"]
+    assert parts["joined"] == parts["of"] == 6 and len(parts["rows_ms"]) == 6
+    ttfts = sorted(r["ttft"] * 1e3 for r in records_of(measured))
+    assert sorted(sum(row) for row in parts["rows_ms"]) == pytest.approx(ttfts, abs=0.05)
+    assert all(part >= 0 for row in parts["rows_ms"] for part in row[1:])
+    assert parts["prefill_steps_ms"]["n"] > 0
 
 
 def test_summary_interpolates_where_attainment_crosses_the_percentile():
