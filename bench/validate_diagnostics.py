@@ -1,8 +1,8 @@
 """What `serving_sweep.py validate` adds to a measured point to say why it differs from tune.
 
-- `ttft_parts`: each measured request's TTFT cut at the prefill actor's own stamps, joined by
-  the server's response id (P's attempt id is `<response id>-0`). Every stamp is
-  CLOCK_MONOTONIC of one host: bench's `records_clock_origin` + `start` is the send.
+- `ttft_parts`: each measured request's TTFT cut at the router's and the prefill actor's own
+  stamps, joined by the server's response id (the attempt id is `<response id>-0`). Every
+  stamp is CLOCK_MONOTONIC of one host: bench's `records_clock_origin` + `start` is the send.
 - `replay`: the simulator run on the arrivals and lengths bench actually sent (warm-up and
   cool-down included), so that a prediction and a measurement share one trace and differ
   only by the model, not by which Poisson draw each of them got.
@@ -13,13 +13,16 @@ from typing import Any
 
 import numpy as np
 
-PARTS = ("to_prefill", "queue_prefill", "destination", "transfer", "to_client")
+PARTS = ("to_router", "to_prefill", "queue_prefill", "destination", "transfer", "back_to_router",
+         "to_client")
 PART_DEFINITIONS = {
-    "to_prefill": "send -> P's prefill call starts: HTTP, the router, tokenization, the Ray call",
-    "queue_prefill": "P's call -> the first token is sampled: P's queue and its engine steps",
-    "destination": "first token -> D's reservation known (0 when it came first)",
-    "transfer": "reservation known (or first token) -> the last KV write landed on D",
-    "to_client": "KV landed -> the first text at the client: P's reply, the router, SSE",
+    "to_router": "send -> the router's client is called: HTTP, ingress, parsing, tokenization",
+    "to_prefill": "-> P's prefill call starts: D's reservation sent, the Ray call to P",
+    "queue_prefill": "-> the first token is sampled on P: P's queue and its engine steps",
+    "destination": "-> D's reservation known (0 when it came first)",
+    "transfer": "-> the last KV write landed on D, as P sees it",
+    "back_to_router": "-> P's answer is back in the router: P's reply through Ray",
+    "to_client": "-> the first text at the client: the router's stream, ingress, SSE",
 }
 
 
@@ -30,7 +33,7 @@ def ttft_parts(report: dict, since: float, measured: slice) -> dict | None:
         import ray
 
         from bench.router_overhead import borrow_client
-        client = borrow_client(30.0)
+        client = borrow_client(30.0)    # a copy, with the router's stamps as of now
         prefill = list(getattr(client, "prefill", []) or [])
         if not prefill:
             return None
@@ -38,9 +41,9 @@ def ttft_parts(report: dict, since: float, measured: slice) -> dict | None:
         diag = ray.get([p.diagnostics.remote(since) for p in prefill], timeout=30)
     except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the measured point
         return {"error": repr(e)[:300]}
-    stamps = {r[0]: r[1:] for actor_rows in rows for r in actor_rows}
+    p_stamps = {r[0]: r[1:] for actor_rows in rows for r in actor_rows}
     ms = join_parts(report["records"][measured], report.get("records_clock_origin"),
-                    stamps) * 1e3
+                    {r[0]: r[1:] for r in client.stamps}, p_stamps) * 1e3
     steps = [b - a for d in diag for a, b, *_ in d.get("step_log", [])]
     return {"joined": len(ms), "of": len(report["records"][measured]),
             "definitions": PART_DEFINITIONS,
@@ -50,18 +53,22 @@ def ttft_parts(report: dict, since: float, measured: slice) -> dict | None:
 
 
 def join_parts(records: list[dict], origin: float | None,
-               stamps: dict[str, tuple[float, float, float, float]]) -> np.ndarray:
-    """(requests x PARTS) seconds: bench's records joined with P's (called, prefilled,
-    destination known, KV landed) stamps by attempt id; unmatched or failed ones left out."""
+               router: dict[str, tuple[float, float]],
+               prefill: dict[str, tuple[float, float, float, float]]) -> np.ndarray:
+    """(requests x PARTS) seconds: bench's records joined by attempt id with the router's
+    (client called, P's answer back) and P's (called, prefilled, destination known, KV
+    landed) stamps; unmatched or failed ones left out."""
     parts = []
     for r in records:
-        row = stamps.get(f"{r.get('response_id', '')}-0")
-        if origin is None or row is None or not r["ok"]:
+        rid = f"{r.get('response_id', '')}-0"
+        if origin is None or rid not in router or rid not in prefill or not r["ok"]:
             continue
         sent = origin + r["start"]
-        called, prefilled, dest, landed = row
-        parts.append((called - sent, prefilled - called, max(0.0, dest - prefilled),
-                      landed - max(dest, prefilled), sent + r["ttft"] - landed))
+        entered, answered = router[rid]
+        called, prefilled, dest, landed = prefill[rid]
+        parts.append((entered - sent, called - entered, prefilled - called,
+                      max(0.0, dest - prefilled), landed - max(dest, prefilled),
+                      answered - landed, sent + r["ttft"] - answered))
     return np.array(parts).reshape(-1, len(PARTS))
 
 

@@ -21,8 +21,10 @@ Closing the stream early aborts the request on P and D.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -60,6 +62,9 @@ class DisaggregatedClient:
         self.streams = OutputStreams()       # D's outputs, one Ray stream per D
         self._tasks: set[asyncio.Task] = set()
         self._where: dict[str, tuple[str, Any, Any]] = {}  # id → (attempt id, P or None, D)
+        # (attempt id, generate called, P's first token back) of recent requests, monotonic:
+        # with P's own stage stamps they say where a TTFT goes (bench/validate_diagnostics.py).
+        self.stamps: collections.deque = collections.deque(maxlen=4096)
 
     def __getstate__(self) -> dict:
         # A copy (benchmarks borrow the router's client) leaves our background tasks here.
@@ -103,7 +108,7 @@ class DisaggregatedClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
         acc = StreamAccumulator(request_id, prompt_token_ids)
-        attempt, d_id = 0, route.decode_id
+        attempt, d_id, entered = 0, route.decode_id, time.monotonic()
         try:
             while True:
                 attempt_id = request_id if attempt == 0 else f"{request_id}#{attempt}"
@@ -116,6 +121,7 @@ class DisaggregatedClient:
                                               prompt_token_ids + acc.token_ids, left,
                                               Route(d_id, route.prefill_id))
                     if early is not None:
+                        self.stamps.append((attempt_id, entered, time.monotonic()))
                         first_text = early.text
                         yield acc.add(early)
                     async for delta in self.streams.deltas(attempt_id, self.timeout_s):

@@ -193,7 +193,7 @@ def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profil
     assert parts["joined"] == parts["of"] == 6 and len(parts["rows_ms"]) == 6
     ttfts = sorted(r["ttft"] * 1e3 for r in records_of(measured))
     assert sorted(sum(row) for row in parts["rows_ms"]) == pytest.approx(ttfts, abs=0.05)
-    assert all(part >= 0 for row in parts["rows_ms"] for part in row[1:])
+    assert all(part >= 0 for row in parts["rows_ms"] for part in row)
     assert parts["prefill_steps_ms"]["n"] > 0
 
 
@@ -263,18 +263,20 @@ def test_rejudge_applies_other_slos_to_the_same_requests(tmp_path: Path):
     assert out.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)
 
 
-def test_ttft_parts_join_bench_records_with_prefill_stamps():
+def test_ttft_parts_join_bench_records_with_router_and_prefill_stamps():
     from bench.validate_diagnostics import PARTS, join_parts
     records = [{"response_id": "cmpl-a", "start": 1.0, "ttft": 0.2, "ok": True},
                {"response_id": "cmpl-b", "start": 2.0, "ttft": 0.3, "ok": True},
                {"response_id": "cmpl-c", "start": 3.0, "ttft": None, "ok": False},
-               {"response_id": "cmpl-d", "start": 4.0, "ttft": 0.1, "ok": True}]  # no stamps
-    stamps = {"cmpl-a-0": (101.01, 101.15, 101.15, 101.16),  # D's blocks known first
-              "cmpl-b-0": (102.02, 102.20, 102.25, 102.26),  # known after the first token
-              "cmpl-c-0": (103.01, 103.2, 103.2, 103.3)}
-    parts = join_parts(records, 100.0, stamps)
+               {"response_id": "cmpl-d", "start": 4.0, "ttft": 0.1, "ok": True}]  # no P stamps
+    router = {"cmpl-a-0": (101.004, 101.17), "cmpl-b-0": (102.01, 102.28),
+              "cmpl-c-0": (103.0, 103.3), "cmpl-d-0": (104.0, 104.05)}
+    prefill = {"cmpl-a-0": (101.01, 101.15, 101.15, 101.16),  # D's blocks known first
+               "cmpl-b-0": (102.02, 102.20, 102.25, 102.26),  # known after the first token
+               "cmpl-c-0": (103.01, 103.2, 103.2, 103.3)}
+    parts = join_parts(records, 100.0, router, prefill)
     assert parts.shape == (2, len(PARTS))
-    assert parts[0] == pytest.approx([0.01, 0.14, 0.0, 0.01, 0.04])
-    assert parts[1] == pytest.approx([0.02, 0.18, 0.05, 0.01, 0.04])
+    assert parts[0] == pytest.approx([0.004, 0.006, 0.14, 0.0, 0.01, 0.01, 0.03])
+    assert parts[1] == pytest.approx([0.01, 0.01, 0.18, 0.05, 0.01, 0.02, 0.02])
     assert parts.sum(axis=1) == pytest.approx([0.2, 0.3])     # the parts are the TTFT
-    assert join_parts(records, None, stamps).shape == (0, len(PARTS))
+    assert join_parts(records, None, router, prefill).shape == (0, len(PARTS))
