@@ -69,11 +69,12 @@ class DistributedKVCache:
 
     def __init__(self, layout: KVLayout, backend: str = "nixl", name: str | None = None,
                  timeout_s: float = 30.0, lease_s: float = 10.0, device: str = "cpu",
-                 hold_s: float = 60.0):
+                 hold_s: float = 60.0, transport_options: dict | None = None):
         pin = device == "cpu" and torch.cuda.is_available()  # pinned host memory DMAs at full speed
         self.kv = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device,
                               pin_memory=pin)
-        self.transport = make_transport(backend, name, timeout_s=timeout_s, lease_s=lease_s)
+        self.transport = make_transport(backend, name, timeout_s=timeout_s, lease_s=lease_s,
+                                        **(transport_options or {}))
         self.transport.register(self.kv, layout)
         self.index = BlockIndex(layout.num_blocks)
         self._pending: dict[str, _Pending] = {}

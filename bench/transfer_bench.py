@@ -129,6 +129,26 @@ def _layout(args: argparse.Namespace) -> KVLayout:
                     args.head_dim)
 
 
+def pool_only(args: argparse.Namespace) -> dict:
+    """One engine's pool (GPU or host) against a DistributedKVCache: the host path alone,
+    on one GPU. --pool-progress-thread gives the pool's NIXL agent its progress thread."""
+    layout = _layout(args)
+    device = "cuda" if args.devices == "cuda" else "cpu"
+    side = ray.remote(num_cpus=0, num_gpus=0.9 if device == "cuda" else 0)(Side).remote(
+        args.backend, layout, device, 1)
+    options = {"progress_thread": True} if args.pool_progress_thread else None
+    pool = ray.remote(num_cpus=0, max_concurrency=8)(DistributedKVCache).remote(
+        layout, args.backend, timeout_s=120.0, lease_s=30.0, transport_options=options)
+    nbytes = layout.block_bytes * 2 * layout.num_layers * layout.num_blocks
+    puts, gets = ray.get(side.pool_round_trip.remote(pool, args.warmup + args.iters))
+    return dict(backend=args.backend, devices=args.devices, tokens=args.tokens,
+                block_size=args.block_size, prompt_kv_bytes=nbytes,
+                pool_progress_thread=args.pool_progress_thread,
+                ucx_params=ray.get(side.settings.remote()),
+                kv_cache_in=_rates(puts, nbytes, args.warmup),
+                kv_cache_out=_rates(gets, nbytes, args.warmup))
+
+
 def run(args: argparse.Namespace) -> dict:
     layout = _layout(args)
     gpus = 0.9 if args.devices == "cuda" else 0  # 0.9: two engines never share a GPU
@@ -238,6 +258,10 @@ def main() -> None:
                    help="per_layer_spaced: ms between layers (a 2048-token prefill of the 8B "
                         "model: ~48 ms / 32 layers)")
     p.add_argument("--skip-pool", action="store_true", help="skip the DistributedKVCache part")
+    p.add_argument("--pool-only", action="store_true",
+                   help="only the DistributedKVCache part, one engine pool (one GPU)")
+    p.add_argument("--pool-progress-thread", action="store_true",
+                   help="--pool-only: run NIXL's progress thread in the pool's agent")
     p.add_argument("--post-overhead", action="store_true",
                    help="only the per-write posting/polling cost, in one process")
     args = p.parse_args()
@@ -246,7 +270,7 @@ def main() -> None:
         return
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        print(json.dumps(run(args), indent=1))
+        print(json.dumps(pool_only(args) if args.pool_only else run(args), indent=1))
     finally:
         ray.shutdown()
 
