@@ -86,6 +86,12 @@ class ModelRunner:
         if self.backend.name == "triton":
             from kernels import compiles
             compiles.watch()
+        # GPU memory in use before this engine loads anything (other processes' and this
+        # context's): not this engine's to count against gpu_memory_utilization.
+        self._others_bytes = 0
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._others_bytes = total - free
         self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
                                 config.load_format, config.seed)
         self.kv_layout = KVLayout(model=model_name, dtype=str(self.dtype).removeprefix("torch."),
@@ -111,7 +117,11 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of a full token budget (logits dominate at large vocab).
             reserve = c.max_num_batched_tokens * (8 * m.hidden_size + 2 * m.intermediate_size) * 4
-            budget = total * c.gpu_memory_utilization - (total - free) - reserve
+            # Our share of the GPU less what we hold (vLLM's meaning), so engines that share a
+            # GPU each stay in their share whichever starts first; never more than is free.
+            # Another process that allocates while we load counts as ours: we take less.
+            mine = (total - free) - self._others_bytes
+            budget = min(total * c.gpu_memory_utilization - mine, free) - reserve
         else:
             budget = c.kv_cache_memory_gb * 2**30
         # No point in more blocks than max_num_seqs full-length sequences can use.

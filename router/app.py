@@ -68,6 +68,7 @@ def engine_config(config: AppConfig, max_model_len: int) -> EngineConfig:
                         dtype=config.dtype, block_size=config.block_size,
                         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens,
+                        gpu_memory_utilization=config.gpu_memory_utilization,
                         load_format=config.load_format)
 
 

@@ -158,6 +158,9 @@ class AppConfig:
     max_model_len: int | None = None        # None: the model's context length
     max_num_seqs: int = 256                 # sequences in one engine's running batch
     max_num_batched_tokens: int = 2048      # token budget of one engine step (chunked prefill)
+    # Share of a GPU's memory one engine may take (weights, activations, KV), counting only
+    # its own: two engines at 0.45 share a GPU (each replica's resources: num_gpus 0.5).
+    gpu_memory_utilization: float = 0.85
     # A prompt with fewer uncached tokens than this is prefilled on its decode replica instead
     # of going through P (conditional disaggregation). 0 turns it off: every prompt uses P,
     # which keeps disaggregated output comparable token for token with colocated output.
@@ -189,6 +192,8 @@ class AppConfig:
             max_num_seqs=r.integer("max_num_seqs", d.max_num_seqs, 1),
             max_num_batched_tokens=r.integer("max_num_batched_tokens",
                                              d.max_num_batched_tokens, 1),
+            gpu_memory_utilization=r.number("gpu_memory_utilization",
+                                            d.gpu_memory_utilization),
             conditional_disagg_threshold=r.integer("conditional_disagg_threshold", 0, 0),
             prefill_failure_policy=r.choice("prefill_failure_policy", FAILURE_POLICIES,
                                             d.prefill_failure_policy),
@@ -206,6 +211,9 @@ class AppConfig:
         if self.mode != "colocated" and self.num_prefill < 1:
             raise ValueError(f"num_prefill: {self.mode} mode needs at least 1 prefill replica "
                              "(0 only with mode: colocated)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: expected a share in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if self.api_key_env is not None and not _ENV_NAME.fullmatch(self.api_key_env):

@@ -33,6 +33,15 @@ def test_nested_sections_and_explicit_resources_are_parsed():
     assert config.decode_resources == AUTO
 
 
+def test_gpu_memory_utilization_reaches_every_engine():
+    from router.app import engine_config
+    assert AppConfig.from_args({}).gpu_memory_utilization == 0.85
+    shared = AppConfig.from_args({"gpu_memory_utilization": 0.45,
+                                  "prefill_resources": {"num_gpus": 0.5},
+                                  "decode_resources": {"num_gpus": 0.5}})
+    assert engine_config(shared, 4096).gpu_memory_utilization == 0.45
+
+
 def test_colocated_mode_defaults_to_no_prefill_replicas():
     assert AppConfig.from_args({"mode": "colocated"}).num_prefill == 0
 
@@ -55,6 +64,9 @@ def test_colocated_mode_defaults_to_no_prefill_replicas():
     ({"dtype": "fp8"}, "dtype:"),
     ({"prefill_failure_policy": "retry"}, "prefill_failure_policy:"),
     ({"load_format": "gguf"}, "load_format:"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization:"),
+    ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization:"),
+    ({"gpu_memory_utilization": "most"}, "gpu_memory_utilization:"),
     ({"limits": {"request_timeout_s": 0}}, "limits.request_timeout_s:"),
     ({"limits": "lots"}, "limits:"),
     ({"routing": {"policy": "magic"}}, "routing.policy:"),

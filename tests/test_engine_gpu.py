@@ -58,3 +58,20 @@ def test_launching_a_step_never_waits_for_the_device(tiny_model_root):
     while engine.has_unfinished():
         engine.step()
     assert len(launches) > 24 and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_engines_sharing_a_gpu_each_keep_to_their_share(tiny_model_root):
+    """gpu_memory_utilization counts an engine's own memory only, so a second engine on the
+    GPU gets its share too (counting the first one's memory against it left it nothing)."""
+    d = make_tiny_model("llama_gqa", tiny_model_root)
+    total = torch.cuda.mem_get_info()[1]
+    # Room for many sequences, so the KV is sized by the memory share, not by max_num_seqs.
+    engines = [LLM(d, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3,
+                   max_num_seqs=100_000, max_model_len=4096, cuda_graphs=False)
+               for _ in range(2)]
+    kv = [e.engine.runner.kv_cache.numel() * e.engine.runner.kv_cache.element_size()
+          for e in engines]
+    assert all(0.2 * total < b <= 0.3 * total for b in kv), [b / total for b in kv]
+    for e in engines:
+        out = e.generate([PROMPTS[0]], GREEDY)[0]
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens

@@ -267,6 +267,7 @@ def test_pods_run_non_root_read_only_with_only_rdma_capabilities(rendered):
     (["engine.blockSize=12"], "engine.blockSize must be one of the following"),
     (["prefil.replicas=2"], "Additional property prefil is not allowed"),
     (["engine.maxModelLen=1024"], "limits.maxTokens (4096) exceeds engine.maxModelLen (1024)"),
+    (["engine.gpuMemoryUtilization=1.5"], "engine.gpuMemoryUtilization"),
 ])
 def test_invalid_values_fail_helm_template_with_the_schema_message(helm, sets, message):
     set_args = [arg for s in sets for arg in ("--set", s)]

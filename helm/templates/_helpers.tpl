@@ -56,6 +56,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
       "decode_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "decode") | fromYaml)
       "block_size" (int $e.blockSize) "dtype" $e.dtype
       "max_num_seqs" (int $e.maxNumSeqs) "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
+      "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization)
       "conditional_disagg_threshold" (int $e.conditionalDisaggThreshold)
       "prefill_failure_policy" $e.prefillFailurePolicy "load_format" $e.loadFormat
       "routing" (dict "policy" $v.routing.policy "prefill_weight" (float64 $v.routing.prefillWeight)) -}}
