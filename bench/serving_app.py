@@ -81,8 +81,10 @@ def app_args(overrides: list[str]) -> dict:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         *parents, leaf = key.split(".")
         node = args
-        for name in parents:
-            node = node.setdefault(name, {})
+        for name in parents:      # a scalar on the way ("auto" resources) becomes a mapping
+            if not isinstance(node.get(name), dict):
+                node[name] = {}
+            node = node[name]
         node[leaf] = yaml.safe_load(value)
     args.pop("api_key_env", None)          # the bench talks to its own app, without a key
     return args
