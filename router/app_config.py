@@ -159,7 +159,7 @@ class AppConfig:
     max_num_seqs: int = 256                 # sequences in one engine's running batch
     max_num_batched_tokens: int = 2048      # token budget of one engine step (chunked prefill)
     # Share of a GPU's memory one engine may take (weights, activations, KV), counting only
-    # its own: two engines at 0.45 share a GPU (each replica's resources: num_gpus 0.5).
+    # its own (vLLM's meaning): engines that share a GPU each keep to their share.
     gpu_memory_utilization: float = 0.85
     # A prompt with fewer uncached tokens than this is prefilled on its decode replica instead
     # of going through P (conditional disaggregation). 0 turns it off: every prompt uses P,
