@@ -58,13 +58,15 @@ class StreamDelta:
     stop_reason: int | str | None
     num_cached_tokens: int
     error: str | None
+    engine_ttft: float | None = None    # RequestOutput.engine_ttft, once known
 
     @classmethod
     def of(cls, out: RequestOutput) -> "StreamDelta":
         o, n = out.outputs[0], len(out.delta_token_ids)
         lps = None if o.logprobs is None else (o.logprobs[-n:] if n else [])
         return cls(list(out.delta_token_ids), out.delta_text, lps, out.finished,
-                   o.finish_reason, o.stop_reason, out.num_cached_tokens, out.error)
+                   o.finish_reason, o.stop_reason, out.num_cached_tokens, out.error,
+                   out.engine_ttft)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,4 +102,5 @@ class StreamAccumulator:
         choice = CompletionOutput(0, self.text, list(self.token_ids), self.logprobs,
                                   d.finish_reason, d.stop_reason)
         return RequestOutput(self.request_id, self.prompt_token_ids, [choice], d.finished,
-                             d.num_cached_tokens, d.text, list(d.token_ids), d.error)
+                             d.num_cached_tokens, d.text, list(d.token_ids), d.error,
+                             d.engine_ttft)

@@ -75,7 +75,8 @@ def join_parts(records: list[dict], origin: float | None,
 def replay(profile: Any, limits: dict, num_prefill: int, num_decode: int, report: dict,
            measured: slice, rate: float, slo: Any) -> dict:
     """The simulator's TTFT/TPOT percentiles and goodput on bench's own arrivals and lengths."""
-    from pd_cluster.tuning.simulator import ClusterSpec, EngineLimits, Simulator
+    from pd_cluster.tuning.simulator import (ClusterSpec, EngineLimits, Simulator,
+                                             overhead_quantile)
 
     records = report["records"]
     arrivals = np.array([r["start"] for r in records])
@@ -86,7 +87,9 @@ def replay(profile: Any, limits: dict, num_prefill: int, num_decode: int, report
     q = slo.percentile
     # Its TTFT less the serving overhead: the part that P's queue_prefill (+ destination and
     # transfer) in ttft_parts measures.
-    engine = result.ttft - np.array([profile.overhead_time(i) for i, _ in lengths[measured]])
+    first = measured.start or 0
+    engine = result.ttft - np.array([profile.overhead_time(i, overhead_quantile(first + k))
+                                     for k, (i, _) in enumerate(lengths[measured])])
     return {"engine_ms": _pcts(engine * 1e3),
             "ttft_p50": float(np.percentile(result.ttft, 50)),
             f"ttft_p{q:g}": float(np.percentile(result.ttft, q)),

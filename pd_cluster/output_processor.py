@@ -1,6 +1,7 @@
 """Turns sampled tokens into streamed text: detokenization, stop strings, final outputs."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pd_cluster.outputs import CompletionOutput, RequestOutput
@@ -76,8 +77,11 @@ class OutputProcessor:
         done = CompletionOutput(0, stream.text, tokens,
                                 req.output_logprobs if req.params.logprobs is not None
                                 else None, req.finish_reason, req.stop_reason)
+        if tokens and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         return RequestOutput(req.request_id, req.prompt_token_ids, [done], finished,
-                             max(req.num_cached_tokens, 0), delta, delta_ids, req.error)
+                             max(req.num_cached_tokens, 0), delta, delta_ids, req.error, ttft)
 
     def finalize(self, req: Request) -> RequestOutput:
         """The last output of a finished request; forgets its streaming state."""

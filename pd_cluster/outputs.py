@@ -27,3 +27,6 @@ class RequestOutput:
     delta_text: str = ""                                 # new text since the previous output
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    # Seconds from the request's arrival in this engine to its first token's output: the
+    # engine's share of the TTFT (queue and prefill), the rest being the serving path's.
+    engine_ttft: float | None = None

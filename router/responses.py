@@ -69,8 +69,16 @@ class Formatter(ABC):
                               [self.delta_choice(index, text, token_ids, logprobs,
                                                  finish_reason)])
 
-    def usage_chunk(self, usage_: dict[str, Any]) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_object_name, []), "usage": usage_}
+    def usage_chunk(self, usage_: dict[str, Any],
+                    engine_ttft: float | None = None) -> dict[str, Any]:
+        """The last chunk (stream_options.include_usage). Beside OpenAI's fields it names the
+        engine's share of the TTFT, `engine_ttft_s` (arrival in the engine that made the
+        first token to that token), so that a client can tell the serving path's share:
+        `pd-cluster profile-serving` measures it under load this way."""
+        chunk = {**self._envelope(self.chunk_object_name, []), "usage": usage_}
+        if engine_ttft is not None:
+            chunk["engine_ttft_s"] = round(engine_ttft, 6)
+        return chunk
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         """Chunks sent before any text (chat announces the assistant role)."""

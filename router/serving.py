@@ -203,6 +203,7 @@ class _Run:
         self.first, self.include_usage = first, include_usage
         self.choices = [Choice(job.index) for job in jobs]
         self.cached = [0] * len(jobs)
+        self.engine_ttft: float | None = None   # of the first output that carried one
 
     async def _items(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         item = self.first
@@ -218,6 +219,8 @@ class _Run:
         choice.logprobs = list(done.logprobs or [])
         choice.finish_reason = done.finish_reason if out.finished else None
         self.cached[i] = out.num_cached_tokens
+        if self.engine_ttft is None:
+            self.engine_ttft = out.engine_ttft
         return choice.token_ids[sent:], choice.logprobs[sent:]
 
     def usage(self) -> dict[str, Any]:
@@ -248,7 +251,7 @@ class _Run:
                 if out.delta_text or reason or (ids and self.fmt.top_logprobs is not None):
                     yield sse(self.fmt.chunk(i, out.delta_text, ids, lps, reason))
             if self.include_usage:
-                yield sse(self.fmt.usage_chunk(self.usage()))
+                yield sse(self.fmt.usage_chunk(self.usage(), self.engine_ttft))
         except (asyncio.CancelledError, GeneratorExit):   # the client went away mid-stream
             self.serving.metrics.errors.labels(CLIENT_GONE).inc()
             raise

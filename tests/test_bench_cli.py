@@ -70,6 +70,8 @@ def test_bench_reports_every_metric_and_goodput_matches_its_records(server: str,
     # Each record names the server's response id, and its send is on the host's monotonic
     # clock (origin + start), so server-side stamps can be joined with it.
     assert len({r["response_id"] for r in records}) == 12 and all(r["response_id"] for r in records)
+    # The server names the engine's share of each TTFT (arrival in P to the first token).
+    assert all(0 < r["engine_ttft"] < r["ttft"] for r in records)
     origin = report["records_clock_origin"]
     assert before <= origin + first and origin + last <= time.monotonic()
 
@@ -97,16 +99,16 @@ def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str
             decode=LatencyModel(DECODE_FEATURES, [1e-7, 1e-3, 0.02])).save(engine_only)
     measured = tmp_path / "cpu_served.json"
     assert main(["profile-serving", "--profile", str(engine_only), "--url", server,
-                 "--lengths", "16,48", "--requests-per-length", "2", "--load-requests", "6",
-                 "--load-rate", "3", "--load-output-len", "4", "--timeout", "120", "--quiet",
+                 "--lengths", "16,48", "--requests-per-length", "2", "--load-requests", "20",
+                 "--load-rate", "4", "--load-output-len", "4", "--timeout", "120", "--quiet",
                  "-o", str(measured)]) == 0
     assert Profile.load(engine_only).serving_overhead is None     # -o: the input is kept
     overhead = Profile.load(measured).serving_overhead
     assert isinstance(overhead, ServingOverhead) and overhead.url == f"{server}/v1"
-    # The load: six 48-word prompts at 3/s on the served shape (from /metrics); P's prefill
+    # The load: twenty 48-word prompts at 4/s on the served shape (from /metrics); P's prefill
     # steps and D's decode steps counted by the server, each with its work and seconds.
     load = overhead.load
-    assert load["served"] == "1P1D" and load["requests"] == 6 and load["input_len"] == 48
+    assert load["served"] == "1P1D" and load["requests"] == 20 and load["input_len"] == 48
     for kind, scale in (("prefill", overhead.prefill_scale), ("decode", overhead.decode_scale)):
         k = load[kind]
         assert k["steps"] >= 1 and k["seconds"] > 0 and k["profiled_seconds"] > 0, load
@@ -116,8 +118,13 @@ def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str
                                                   SCALE_RANGE[0]), SCALE_RANGE[1]))
         else:
             assert scale == 1.0
-    assert load["prefill"]["sum_tokens"] >= 6 * 48      # words: at least a token each
-    assert load["decode"]["batch"] >= 6 * 2             # 4 tokens: the last 3 decoded on D
+    assert load["prefill"]["sum_tokens"] >= 20 * 48     # words: at least a token each
+    assert load["decode"]["batch"] >= 20 * 2            # 4 tokens: the last 3 decoded on D
+    # The serving path under that load, per request TTFT less the engine's share the server
+    # reported: 21 quantiles, from 0 up.
+    path = overhead.under_load
+    assert len(path) == 21 and path == sorted(path) and path[0] >= 0
+    assert load["serving_path_ms"]["p50"] == pytest.approx(1e3 * path[10], abs=0.01)
     assert [s["prompt_tokens"] for s in overhead.samples] == [
         pytest.approx(16, abs=8), pytest.approx(48, abs=16)]
     for s in overhead.samples:      # the synthetic profile is not this CPU: no sign asserted
@@ -140,9 +147,19 @@ def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str
     # The same scaled steps with and without an overhead: TTFT moves by exactly the overhead.
     with_overhead, scaled_only = tmp_path / "with_overhead.json", tmp_path / "scaled_only.json"
     profile = Profile.load(measured)
+    profile.serving_overhead.under_load = None          # the lone-request fit alone
     for path, coef in ((with_overhead, [0.03, 1e-4]), (scaled_only, [0.0, 0.0])):
         profile.serving_overhead.coef = coef
         profile.save(path)
     added = Profile.load(with_overhead).serving_overhead.seconds(32)
     assert added == pytest.approx(0.03 + 32e-4)
     assert ttft(with_overhead) == pytest.approx(ttft(scaled_only) + added)
+    # Measured under load, it takes the place of a: here a flat 50 ms, and b per token from
+    # the load phase's prompts (48-word ones) to tune's 32-token ones.
+    under_load = tmp_path / "under_load.json"
+    profile.serving_overhead.under_load = [0.05] * 21
+    profile.serving_overhead.coef = [0.03, 1e-4]
+    profile.save(under_load)
+    added = 0.05 + 1e-4 * (32 - load["prompt_tokens"])
+    assert Profile.load(under_load).serving_overhead.seconds(32, 0.9) == pytest.approx(added)
+    assert ttft(under_load) == pytest.approx(ttft(scaled_only) + added)

@@ -195,6 +195,9 @@ def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profil
     assert sorted(sum(row) for row in parts["rows_ms"]) == pytest.approx(ttfts, abs=0.05)
     assert all(part >= 0 for row in parts["rows_ms"] for part in row)
     assert parts["prefill_steps_ms"]["n"] > 0
+    # The server's own split: the serving path (TTFT less the engine's share) of each request.
+    path = measured["serving_path_ms"]
+    assert 0 <= path["p10"] <= path["p50"] <= path["p90"]
 
 
 def test_summary_interpolates_where_attainment_crosses_the_percentile():

@@ -221,3 +221,27 @@ def test_tune_adds_the_serving_overhead_to_ttft_only(h100_profile: Path, tmp_pat
     assert recorded["coef"] == pytest.approx(profile.serving_overhead.coef)
     assert json.loads((tmp_path / "bare" / "results.json").read_text())["serving_overhead"] \
         is None
+
+
+def test_an_overhead_measured_under_load_is_drawn_per_request_from_its_quantiles(
+        h100_profile: Path):
+    from pd_cluster.tuning.simulator import ClusterSpec, EngineLimits, Simulator, overhead_quantile
+    import numpy as np
+    # The quantile sequence covers (0, 1) evenly over any stretch of requests.
+    qs = np.array([overhead_quantile(n) for n in range(7, 1007)])
+    assert ((qs > 0) & (qs < 1)).all()
+    assert np.histogram(qs, bins=10, range=(0, 1))[0] == pytest.approx([100] * 10, abs=3)
+    profile = Profile.load(h100_profile)
+    lengths, arrivals = [(256, 4)] * 400, np.arange(400) * 10.0    # far apart: no queue
+    limits, spec = EngineLimits(400_000, 1e12, 2048), ClusterSpec(1, 1)
+    bare = Simulator(profile, limits, spec).run(lengths, arrivals, 0.1).ttft
+    # Under load: 20 ms to 120 ms, evenly; lone requests measured 30 ms (not used).
+    profile.serving_overhead = dataclasses.replace(
+        overhead_of([(128, 0.03), (2048, 0.03)]), under_load=list(np.linspace(0.02, 0.12, 21)),
+        load={"prompt_tokens": 256})
+    served = Simulator(profile, limits, spec).run(lengths, arrivals, 0.1).ttft
+    added = served - bare
+    assert added.min() >= 0.02 - 1e-9 and added.max() <= 0.12 + 1e-9
+    assert np.percentile(added, [10, 50, 90]) == pytest.approx([0.03, 0.07, 0.11], abs=0.003)
+    assert "serving overhead: 70 ms under load (p10 30, p90 110)" in \
+        profile.serving_overhead.describe()

@@ -32,6 +32,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     met_slo: bool = False
     response_id: str = ""               # the server's id for it (joins server-side stamps)
+    engine_ttft: float | None = None    # the engine's share of the TTFT, when the server says
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ async def _stream(session: aiohttp.ClientSession, endpoint: Endpoint, record: Re
             now = time.perf_counter()
             record.response_id = record.response_id or data.get("id") or ""
             if data.get("usage"):
+                record.engine_ttft = data.get("engine_ttft_s")    # pd-cluster's extension
                 record.prompt_tokens = data["usage"].get("prompt_tokens")
                 record.output_tokens = data["usage"].get("completion_tokens") or 0
             if _text(data, endpoint.chat):

@@ -113,6 +113,11 @@ class ServingOverhead:
       tokenization, router, Ray calls, streaming back), a + b·prompt_tokens, from lone
       requests; `samples` are the per-length medians: prompt_tokens, ttft_s, engine_s and
       overhead_s.
+    - `under_load`: the same serving path's seconds under the load phase, per request (its
+      TTFT less the engine's share that the server reports, `engine_ttft_s`), as 21
+      quantiles (0, 5, ..., 100 %); when present the simulator gives request n the quantile
+      `overhead_quantile(n)` of it (plus b per token beyond the load phase's prompts), since
+      under load that path takes longer and varies more than for lone requests.
     - `prefill_scale`, `decode_scale`: served steps / profiled ones, from the server's own
       step counters over a phase of Poisson load (`load` holds how; files of 2026-11-22 have
       a prefill scale from bursts instead, `burst`). A served step can be slower than the
@@ -129,24 +134,40 @@ class ServingOverhead:
     burst: dict[str, Any] | None = None
     decode_scale: float = 1.0
     load: dict[str, Any] | None = None
+    under_load: list[float] | None = None
 
-    def seconds(self, prompt_tokens: int) -> float:
-        return self.coef[0] + self.coef[1] * prompt_tokens
+    def seconds(self, prompt_tokens: int, quantile: float = 0.5) -> float:
+        """One request's overhead: the `quantile` of the under-load distribution when it was
+        measured (adjusted by b per token from the load phase's prompt length), else a + b·l."""
+        if self.under_load is None:
+            return self.coef[0] + self.coef[1] * prompt_tokens
+        grid = np.linspace(0.0, 1.0, len(self.under_load))
+        load = self.load or {}
+        extra = self.coef[1] * (prompt_tokens - float(load.get("prompt_tokens",
+                                                               load.get("input_len", 0))))
+        return max(0.0, float(np.interp(quantile, grid, self.under_load)) + extra)
 
     def describe(self) -> str:
-        return (f"serving overhead: {1e3 * self.coef[0]:.3g} ms + {1e3 * self.coef[1]:.3g} "
-                f"ms/token, prefill steps x{self.prefill_scale:.3g}, decode steps "
-                f"x{self.decode_scale:.3g}, measured through "
-                f"{self.url}")
+        if self.under_load is None:
+            path = f"{1e3 * self.coef[0]:.3g} ms + {1e3 * self.coef[1]:.3g} ms/token"
+        else:
+            grid = np.linspace(0.0, 1.0, len(self.under_load))
+            p10, p50, p90 = (1e3 * float(np.interp(q, grid, self.under_load))
+                             for q in (0.1, 0.5, 0.9))
+            path = f"{p50:.3g} ms under load (p10 {p10:.3g}, p90 {p90:.3g})"
+        return (f"serving overhead: {path}, prefill steps x{self.prefill_scale:.3g}, decode "
+                f"steps x{self.decode_scale:.3g}, measured through {self.url}")
 
     @classmethod
     def fit(cls, samples: list[dict[str, float]], url: str, date: str,
             max_num_batched_tokens: int, prefill_scale: float = 1.0,
-            decode_scale: float = 1.0, load: dict[str, Any] | None = None) -> ServingOverhead:
+            decode_scale: float = 1.0, load: dict[str, Any] | None = None,
+            under_load: list[float] | None = None) -> ServingOverhead:
         """Least squares of overhead_s on prompt_tokens, both coefficients clipped to >= 0."""
         x = np.array([[1.0, s["prompt_tokens"]] for s in samples])
         return cls(_nonneg_lstsq(x, np.array([s["overhead_s"] for s in samples])), samples,
-                   url, date, max_num_batched_tokens, prefill_scale, None, decode_scale, load)
+                   url, date, max_num_batched_tokens, prefill_scale, None, decode_scale, load,
+                   under_load)
 
 
 @dataclass(slots=True)
@@ -175,9 +196,11 @@ class Profile:
         scale = self.serving_overhead.decode_scale if self.serving_overhead else 1.0
         return scale * self.decode.predict((sum_ctx, batch, 1.0))
 
-    def overhead_time(self, prompt_tokens: int) -> float:
-        """Serving overhead of one request; 0 when the profile has none."""
-        return self.serving_overhead.seconds(prompt_tokens) if self.serving_overhead else 0.0
+    def overhead_time(self, prompt_tokens: int, quantile: float = 0.5) -> float:
+        """Serving overhead of one request (at `quantile` of its distribution, when the
+        profile has one); 0 when the profile has none."""
+        return self.serving_overhead.seconds(prompt_tokens, quantile) \
+            if self.serving_overhead else 0.0
 
     def save(self, path: str | Path) -> None:
         data = {"version": PROFILE_VERSION, **asdict(self)}

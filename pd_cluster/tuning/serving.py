@@ -11,9 +11,13 @@ random prompts (a rerun must not find them in the prefix cache):
   the profile's predictions over the phase's prefill-only steps, against their measured
   seconds, is `prefill_scale`; decode-only steps give `decode_scale`. Served steps can be
   slower than profiled ones: the engine's process also takes in requests, reserves their KV
-  on the decode side and pushes it during them.
+  on the decode side and pushes it during them. A pd-cluster server also says, per request,
+  how much of its TTFT the engine took (`engine_ttft_s` in the usage chunk); the rest is the
+  serving path under load (HTTP, router, Ray calls, the way back), kept as quantiles
+  (`under_load`) that the simulator draws each request's overhead from.
 - Lone requests, one at a time, at each length: the overhead is the median TTFT minus the
-  simulator's prediction for the lone prompt with the scaled steps, fitted as a + b·tokens.
+  simulator's prediction for the lone prompt with the scaled steps, fitted as a + b·tokens
+  (without an under-load measurement, a is the overhead; with one, b still adjusts it).
 """
 from __future__ import annotations
 
@@ -45,6 +49,9 @@ MAX_TOKENS = 16
 SCALE_RANGE = (0.25, 8.0)
 # Steps of a kind below which its scale is not measured (stays 1).
 MIN_STEPS = 10
+# Load-phase requests with the engine's TTFT share below which the serving path under load
+# is not measured (the lone-request fit stands alone).
+MIN_UNDER_LOAD = 20
 
 
 def _metrics(base_url: str, timeout: float) -> str:
@@ -148,7 +155,7 @@ def measure_overhead(profile: Profile, endpoint: Endpoint, lengths: tuple[int, .
                      load_output_len: int = 128) -> ServingOverhead:
     """The load phase first (the step scales), then lone requests (the overhead on top)."""
     spec = served_shape(endpoint.base_url)
-    scales, load = {"prefill_scale": 1.0, "decode_scale": 1.0}, None
+    scales, load, under_load = {"prefill_scale": 1.0, "decode_scale": 1.0}, None, None
     if load_requests > 0:
         if not read_step_totals(endpoint.base_url):
             raise ValueError(f"{endpoint.base_url}: its /metrics has no pd_engine_step_* "
@@ -163,7 +170,13 @@ def measure_overhead(profile: Profile, endpoint: Endpoint, lengths: tuple[int, .
         scales = served_scales(profile, *totals)
         load = {"served": str(spec), "requests": load_requests, "rate": rate,
                 "input_len": input_len, "output_len": load_output_len,
+                "prompt_tokens": statistics.median(r.prompt_tokens or input_len
+                                                   for r in records),
                 "duration_s": max(r.start + r.e2e for r in records), **scales}
+        under_load = serving_path_quantiles(records)
+        if under_load is not None:
+            load["serving_path_ms"] = {f"p{q}": round(1e3 * under_load[q // 5], 2)
+                                       for q in (10, 50, 90)}
     records = asyncio.run(_send_all(endpoint, lengths, per_length, timeout, progress))
     samples = []
     for n in lengths:
@@ -176,7 +189,17 @@ def measure_overhead(profile: Profile, endpoint: Endpoint, lengths: tuple[int, .
                         "overhead_s": ttft - engine})
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return ServingOverhead.fit(samples, endpoint.base_url, date, max_num_batched_tokens,
-                               scales["prefill_scale"], scales["decode_scale"], load)
+                               scales["prefill_scale"], scales["decode_scale"], load,
+                               under_load)
+
+
+def serving_path_quantiles(records: list[RequestRecord]) -> list[float] | None:
+    """0, 5, ..., 100 % quantiles of TTFT less the engine's share (`engine_ttft_s`, which
+    pd-cluster servers report) over `records`; None when too few carry it."""
+    path = [r.ttft - r.engine_ttft for r in records if r.ok and r.engine_ttft is not None]
+    if len(path) < MIN_UNDER_LOAD:
+        return None
+    return [float(x) for x in np.percentile(np.maximum(path, 0.0), np.linspace(0, 100, 21))]
 
 
 def _check(record: RequestRecord, endpoint: Endpoint) -> RequestRecord:

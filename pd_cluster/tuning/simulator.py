@@ -199,6 +199,13 @@ class Instance:
         return prefilled, finished
 
 
+def overhead_quantile(n: int) -> float:
+    """Which quantile of the measured serving overhead request n gets: the golden-ratio
+    sequence, which covers (0, 1) evenly over any run of requests without a random draw, so
+    runs stay reproducible and compare like for like."""
+    return (0.5 + n * 0.6180339887498949) % 1.0
+
+
 class Simulator:
     """Runs one ClusterSpec over a list of requests; `run()` returns the SimResult."""
 
@@ -220,7 +227,8 @@ class Simulator:
         if too_long > self.limits.kv_capacity_tokens:
             raise ValueError(f"a request of {too_long} tokens exceeds the KV capacity of "
                              f"{self.limits.kv_capacity_tokens} tokens per instance")
-        self.requests = [SimRequest(n, float(t), i, o, overhead=self.profile.overhead_time(i))
+        self.requests = [SimRequest(n, float(t), i, o,
+                                    overhead=self.profile.overhead_time(i, overhead_quantile(n)))
                          for n, (t, (i, o)) in enumerate(zip(arrivals, lengths))]
         for req in self.requests:
             self._push(req.arrival, EventKind.ARRIVAL, req.index)
