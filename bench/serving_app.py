@@ -157,6 +157,11 @@ def serving(args: dict, opts: argparse.Namespace) -> Iterator[str]:
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        keep = os.environ.get("PD_BENCH_KEEP_LOGS")    # a directory: Ray's logs go there
+        if keep:
+            with contextlib.suppress(OSError):
+                shutil.copytree(work / "session_latest" / "logs", Path(keep) / work.name,
+                                dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
         _wait_gpus_free()
 
