@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 import aiohttp
 
 
+# A response that streamed no text (a model with random weights can print nothing printable).
+NO_TEXT = "no text in the response"
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """What one request did; times in seconds, `start` from the beginning of the run."""
@@ -72,7 +76,7 @@ async def send(session: aiohttp.ClientSession, endpoint: Endpoint, record: Reque
         await asyncio.wait_for(_stream(session, endpoint, record, prompt), timeout)
         record.ok = record.ttft is not None
         if not record.ok:
-            record.error = "no text in the response"
+            record.error = NO_TEXT
     except asyncio.TimeoutError:
         record.error = f"timed out after {timeout:g} s"
     except (aiohttp.ClientError, ValueError) as e:
