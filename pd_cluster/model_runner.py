@@ -74,6 +74,11 @@ def select_backend(config: EngineConfig, device: torch.device) -> AttentionBacke
     return TritonAttentionBackend()
 
 
+# GPU memory an engine holds outside torch's allocator (CUDA context, kernel images, library
+# handles): counted against its gpu_memory_utilization share.
+NON_TORCH_BYTES = 1 << 30
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str | None, model_cfg: ModelConfig,
                  max_model_len: int, model_name: str):
@@ -86,12 +91,10 @@ class ModelRunner:
         if self.backend.name == "triton":
             from kernels import compiles
             compiles.watch()
-        # GPU memory in use before this engine loads anything (other processes' and this
-        # context's): not this engine's to count against gpu_memory_utilization.
-        self._others_bytes = 0
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            self._others_bytes = total - free
+        # What this process's allocator holds before the engine loads anything (another
+        # engine's, in tests): not this engine's to count against gpu_memory_utilization.
+        self._torch_base = torch.cuda.memory_reserved(self.device) \
+            if self.device.type == "cuda" else 0
         self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
                                 config.load_format, config.seed)
         self.kv_layout = KVLayout(model=model_name, dtype=str(self.dtype).removeprefix("torch."),
@@ -117,10 +120,11 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of a full token budget (logits dominate at large vocab).
             reserve = c.max_num_batched_tokens * (8 * m.hidden_size + 2 * m.intermediate_size) * 4
-            # Our share of the GPU less what we hold (vLLM's meaning), so engines that share a
-            # GPU each stay in their share whichever starts first; never more than is free.
-            # Another process that allocates while we load counts as ours: we take less.
-            mine = (total - free) - self._others_bytes
+            # Our share of the GPU less what we hold (vLLM's meaning): what our allocator took
+            # since we started, plus the CUDA context and libraries' own memory. Not the
+            # device's used memory: an engine starting beside us on the GPU would count as
+            # ours, and whichever sized its KV second got next to nothing. Never more than free.
+            mine = torch.cuda.memory_reserved(self.device) - self._torch_base + NON_TORCH_BYTES
             budget = min(total * c.gpu_memory_utilization - mine, free) - reserve
         else:
             budget = c.kv_cache_memory_gb * 2**30
