@@ -52,6 +52,8 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     hold_kv: bool = False
+    # When it was queued (monotonic): its wait for the step in progress is the engine's time.
+    queued: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -229,7 +231,7 @@ class EngineLoop:
         elif command.request_id in self._sinks:   # else its consumer left before we saw it
             try:
                 self.engine.add_request(command.prompt_ids, command.params, command.request_id,
-                                        hold_kv=command.hold_kv)
+                                        hold_kv=command.hold_kv, arrival_time=command.queued)
             except ValueError as e:
                 self._deliver(command.request_id, RequestRejected(str(e)))
 

@@ -83,14 +83,19 @@ class LLMEngine:
         return self.runner.kv_layout
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, hold_kv: bool = False) -> str:
+                    request_id: str | None = None, hold_kv: bool = False,
+                    arrival_time: float | None = None) -> str:
         """Queue a prompt (text or token ids); returns its request id.
 
         `hold_kv` (prefill side of disaggregation): stop after the first token but keep the
-        request's KV blocks until `release(request_id)`.
+        request's KV blocks until `release(request_id)`. `arrival_time` (monotonic): when
+        the request reached the engine's owner, if earlier than now (a request that arrives
+        during a step is added after it, and that wait is the engine's).
         """
         req = self._new_request(prompt, params, request_id)
         req.hold_kv = hold_kv
+        if arrival_time is not None:
+            req.arrival_time = min(arrival_time, req.arrival_time)
         self.outputs.add(req)
         self.scheduler.add(req)
         return req.request_id

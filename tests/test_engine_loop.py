@@ -3,6 +3,7 @@ cancelled or is aborted frees its KV; a refused request raises and the loop keep
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -146,3 +147,21 @@ def test_slow_consumer_gets_coalesced_outputs_with_all_deltas(loop: EngineLoop):
     assert final.finished and len(final.outputs[0].token_ids) == 40
     assert len(outs) < 40                           # several steps folded into one output
     assert sum((o.delta_token_ids for o in outs), []) == final.outputs[0].token_ids
+
+
+def test_outputs_name_the_engines_share_of_the_ttft(loop: EngineLoop, config: EngineConfig):
+    """From the request reaching the loop (a wait for the step in progress included) to its
+    first token's output; every later output repeats it."""
+    async def go():
+        t0, outs = time.monotonic(), []
+        async for out in loop.stream("ttft", PROMPTS[0], GREEDY):
+            outs.append((out, time.monotonic()))
+        return t0, outs
+    t0, outs = run(go())
+    (first, seen), *rest = outs
+    assert 0 < first.engine_ttft <= seen - t0
+    assert all(out.engine_ttft == first.engine_ttft for out, _ in rest)
+    engine = LLMEngine(config)       # an arrival earlier than the add counts from the arrival
+    engine.add_request(PROMPTS[1], GREEDY, "early", arrival_time=time.monotonic() - 5.0)
+    out = engine.step()[0]
+    assert out.engine_ttft >= 5.0
