@@ -22,7 +22,7 @@ from pd_cluster.tuning.workload import Workload  # noqa: E402
 from bench.serving_app import (  # noqa: E402
     app_args, bench, compact, Deployment, kv_capacity, lifetime, point_stats, quantile_name,
     run_header, serving, slo_of, wait_idle, warm_up, whole_run, write_json)
-from bench.validate_diagnostics import replay, ttft_parts  # noqa: E402
+from bench.validate_diagnostics import pcts, replay, ttft_parts  # noqa: E402
 
 VALIDATE_DEFINITIONS = {
     "percentiles": "numpy percentiles over the measured requests, in the simulator and here",
@@ -190,16 +190,10 @@ def measure_like_tune(url: str, opts: argparse.Namespace, slo: SLO, rate: float,
             "mean_output_tokens": mean([r["output_tokens"] for r in ok]),
             "whole_run": whole_run(report), "records": compact(inside),
             # TTFT less the engine's share the server reported: what tune's overhead models.
-            "serving_path_ms": _pcts_ms([r["ttft"] - r["engine_ttft"] for r in ok
-                                         if r.get("engine_ttft") is not None]),
+            "serving_path_ms": pcts(1e3 * np.array([r["ttft"] - r["engine_ttft"] for r in ok
+                                                    if r.get("engine_ttft") is not None]))
+            or None,
             "ttft_parts": ttft_parts(report, since, slice(pad, pad + opts.requests))}, report
-
-
-def _pcts_ms(values: list[float]) -> dict | None:
-    if not values:
-        return None
-    p10, p50, p90 = np.percentile(values, [10, 50, 90]) * 1e3
-    return {"p10": round(float(p10), 2), "p50": round(float(p50), 2), "p90": round(float(p90), 2)}
 
 
 def compare_replay(replayed: dict, measured: dict, tolerance: float, slo: SLO) -> dict:

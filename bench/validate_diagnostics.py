@@ -47,9 +47,9 @@ def ttft_parts(report: dict, since: float, measured: slice) -> dict | None:
     steps = [b - a for d in diag for a, b, *_ in d.get("step_log", [])]
     return {"joined": len(ms), "of": len(report["records"][measured]),
             "definitions": PART_DEFINITIONS,
-            "ms": {name: _pcts(ms[:, k]) for k, name in enumerate(PARTS)},
+            "ms": {name: pcts(ms[:, k]) for k, name in enumerate(PARTS)},
             "rows_ms": np.round(ms, 2).tolist(),
-            "prefill_steps_ms": {**_pcts(np.array(steps) * 1e3), "n": len(steps)}}
+            "prefill_steps_ms": {**pcts(np.array(steps) * 1e3), "n": len(steps)}}
 
 
 def join_parts(records: list[dict], origin: float | None,
@@ -90,7 +90,7 @@ def replay(profile: Any, limits: dict, num_prefill: int, num_decode: int, report
     first = measured.start or 0
     engine = result.ttft - np.array([profile.overhead_time(i, overhead_quantile(first + k))
                                      for k, (i, _) in enumerate(lengths[measured])])
-    return {"engine_ms": _pcts(engine * 1e3),
+    return {"engine_ms": pcts(engine * 1e3),
             "ttft_p50": float(np.percentile(result.ttft, 50)),
             f"ttft_p{q:g}": float(np.percentile(result.ttft, q)),
             "tpot_p50": float(np.percentile(result.tpot, 50)),
@@ -98,7 +98,7 @@ def replay(profile: Any, limits: dict, num_prefill: int, num_decode: int, report
             "slo_attainment": result.met_fraction(slo), "goodput": result.goodput(slo)}
 
 
-def _pcts(x: np.ndarray) -> dict:
+def pcts(x: np.ndarray) -> dict:
     if not len(x):
         return {}
     p10, p50, p90 = np.percentile(x, [10, 50, 90])
