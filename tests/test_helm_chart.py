@@ -1,7 +1,7 @@
 """The Helm chart, rendered by a real helm v3 and checked the way a cluster would check it.
 
 Core objects go through `kubernetes-validate --strict`; the RayService through the KubeRay CRD
-schema in `<repo>/../shared/k8s/kuberay-crds/` with unknown fields rejected; its serveConfigV2
+schema carried in `tests/data/kuberay-crds/` with unknown fields rejected; its serveConfigV2
 through Ray Serve's schema and the project's own AppConfig.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from router.app_config import AUTO, POOL_SHARE, AppConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm"
-CRDS = REPO.parent / "shared" / "k8s" / "kuberay-crds"
+CRDS = Path(__file__).resolve().parent / "data" / "kuberay-crds"
 VALUE_FILES = {"default": None, **{p.name.removesuffix("-values.yaml"): p
                                    for p in sorted((CHART / "ci").glob("*-values.yaml"))}}
 KUBE_VERSIONS = ("1.25", "1.37")      # the chart's kubeVersion floor, and the newest known
