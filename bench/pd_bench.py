@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.models import dummy_model_dir  # noqa: E402
 from pd_cluster.config import ModelConfig  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
-from router.app import engine_config, start_client  # noqa: E402
+from router.app import start_client  # noqa: E402
 from router.app_config import AppConfig  # noqa: E402
 from router.routing import Route  # noqa: E402
 
@@ -74,13 +74,12 @@ def start_engines(mode: str, model: str, dtype: str, transport: str, gpus_per_ac
                   max_num_batched_tokens: int):
     """1 P + 1 D (or one colocated engine) of a dummy model, started from this driver."""
     cfg = AppConfig.from_args({
-        "model": model, "load_format": "dummy", "dtype": dtype, "mode": mode,
-        "num_prefill": 1 if mode != "colocated" else 0, "num_decode": 1,
-        "transport": transport, "max_num_seqs": 256,
-        "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": 4096,
-        "limits": {"max_tokens": 4096}})
+        "mode": mode, "num_prefill": 1 if mode != "colocated" else 0, "num_decode": 1,
+        "transport": transport, "limits": {"max_tokens": 4096},
+        "engine": {"model": model, "load_format": "dummy", "dtype": dtype, "max_num_seqs": 256,
+                   "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": 4096}})
     opts = {role: {"num_gpus": gpus_per_actor, "num_cpus": 0} for role in ("prefill", "decode")}
-    return start_client(cfg, engine_config(cfg, 4096), opts)
+    return start_client(cfg, cfg.engine, opts)
 
 
 def run(mode: str, args) -> dict:

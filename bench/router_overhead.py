@@ -2,7 +2,7 @@
 called directly, interleaved on one deployment; prints JSON (and writes it with -o).
 
     python bench/router_overhead.py [--config configs/pd.yaml] [--requests 200]
-        [--set mode=colocated] [--max-seconds 170] [--ingress haproxy|proxy]
+        [--set mode=colocated] [--set engine.dtype=bfloat16] [--max-seconds 170] [--ingress haproxy|proxy]
         [--http-port PORT] [-o out.json]
 
 One Serve application is deployed (`build_app(args)` on a free loopback port, which stands
@@ -51,7 +51,7 @@ from ray import serve
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.serving_app import free_port, ingress_env  # noqa: E402
+from bench.serving_app import free_port, ingress_env, set_args  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
 from router.app import build_app, model_dir  # noqa: E402
@@ -187,7 +187,7 @@ class DirectPath:
     def __init__(self, client: Any, config: AppConfig, ids: list[int], timeout_s: float):
         self.client, self.ids, self.timeout_s = client, ids, timeout_s
         self.policy = make_policy(config.routing.policy, RoutingInputs(
-            config.num_prefill, config.num_decode, config.block_size,
+            config.num_prefill, config.num_decode, config.engine.block_size,
             config.routing.prefill_weight, config.conditional_disagg_threshold))
         self.params = SamplingParams(temperature=0.0, max_tokens=1)
         self.ping_actor = (getattr(client, "decode", None) or client.actors)[0]
@@ -263,7 +263,7 @@ def run_bench(args: dict[str, Any], opts: argparse.Namespace, deadline: float
     started_s = time.monotonic() - t0
     client = borrow_client(opts.request_timeout)
     ids = load_tokenizer(model_dir(config)).encode(PROMPT)
-    body = {"model": config.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    body = {"model": config.engine.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     http_path = HTTPPath(opts.http_port or port, body, opts.request_timeout)
     try:
         samples, measured_s = asyncio.run(measure(
@@ -301,15 +301,13 @@ def main() -> None:
                              "replica's own port 30000)")
     parser.add_argument("--address", default=None, help="Ray address (default: start one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
-                        help="override an app arg, e.g. --set mode=colocated")
+                        help="override an app arg, e.g. --set mode=colocated; dotted keys "
+                             "reach nested ones: --set engine.dtype=bfloat16")
     parser.add_argument("--raw", action="store_true", help="include every sample")
     parser.add_argument("-o", "--output", default=None, help="also write the JSON here")
     opts = parser.parse_args()
-    args = yaml.safe_load(Path(opts.config).read_text())["applications"][0]["args"]
-    for item in opts.set:
-        key, value = item.split("=", 1)
-        args[key] = yaml.safe_load(value)
-    args.pop("api_key_env", None)          # the bench talks to its own app, without a key
+    args = set_args(yaml.safe_load(Path(opts.config).read_text())["applications"][0]["args"],
+                    opts.set)
     deadline = time.monotonic() + opts.max_seconds - SHUTDOWN_S
     # Past the budget, one request timeout and a grace, something hangs: show where, stop.
     faulthandler.dump_traceback_later(opts.max_seconds + opts.request_timeout

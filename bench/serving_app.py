@@ -74,7 +74,13 @@ class Deployment:
 
 def app_args(overrides: list[str]) -> dict:
     """configs/pd.yaml's `args` with KEY=YAML overrides (dotted keys reach nested ones)."""
-    args = yaml.safe_load((ROOT / "configs" / "pd.yaml").read_text())["applications"][0]["args"]
+    return set_args(yaml.safe_load((ROOT / "configs" / "pd.yaml").read_text())
+                    ["applications"][0]["args"], overrides)
+
+
+def set_args(args: dict, overrides: list[str]) -> dict:
+    """`args` with KEY=YAML overrides, e.g. engine.dtype=bfloat16 (dotted keys reach nested
+    ones), and without api_key_env: a bench talks to its own app, without a key."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -86,7 +92,7 @@ def app_args(overrides: list[str]) -> dict:
                 node[name] = {}
             node = node[name]
         node[leaf] = yaml.safe_load(value)
-    args.pop("api_key_env", None)          # the bench talks to its own app, without a key
+    args.pop("api_key_env", None)
     return args
 
 

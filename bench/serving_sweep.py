@@ -7,7 +7,8 @@ On nvidia-h200-x2, carrying .devbundle and .gpucarry/tok, every run starts with
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 && \
       xz -dkf .gpucarry/tok/tokenizer.json.xz && \
       M=$(python3 bench/models.py --tokenizer-from .gpucarry/tok) && \
-      S="--set model=$M --set load_format=dummy --set dtype=bfloat16 --set max_model_len=4096"
+      S="--set engine.model=$M --set engine.load_format=dummy --set engine.dtype=bfloat16 \
+         --set engine.max_model_len=4096"
 
 and goes on with one of these (about 8 minutes each):
 

@@ -52,7 +52,7 @@ def validate(opts: argparse.Namespace) -> int:
     profile = Profile.load(opts.profile)
     slo, base = slo_of(opts), app_args(opts.set)
     opts.timeout = opts.timeout or 2 * lifetime(opts, slo) + 5
-    engine = AppConfig.from_args(base)
+    engine = AppConfig.from_args(base).engine
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {**run_header(opts, base, slo), "profile": Path(opts.profile).name,

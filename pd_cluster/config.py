@@ -1,16 +1,21 @@
-"""Engine configuration: what the user sets, and the model's shape read from config.json."""
+"""Engine configuration: what the user sets (EngineConfig, a pydantic model), and the model's
+shape read from config.json (ModelConfig)."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pd_cluster.config_errors import validate_config
+
+if TYPE_CHECKING:       # torch only where a method needs it: the config imports without it
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -72,54 +77,97 @@ class ModelConfig:
         )
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    """Everything an engine needs; defaults suit a laptop CPU and a single GPU alike."""
+DEFAULT_MODEL = "default"
+# max_model_len when it is unset: the model's context length, at most this many tokens (a
+# longer context would size every engine's buffers for prompts nobody sends by default).
+MAX_DEFAULT_CONTEXT = 32768
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
-    model: str | None = None              # a model directory; None = the bundled default model
-    dtype: str = "auto"                   # auto: fp32 on CPU, the checkpoint's 16-bit type on GPU
-    device: str = "auto"                  # auto: cuda if available, else cpu
-    load_format: str = "auto"             # auto: safetensors; dummy: random weights
-    block_size: int = 16
-    num_kv_blocks: int | None = None      # None: sized from memory
-    kv_cache_memory_gb: float = 1.0       # CPU pool size when num_kv_blocks is None
-    gpu_memory_utilization: float = 0.85  # fraction of GPU memory for weights + activations + KV
-    max_model_len: int | None = None      # None: the model's max_position_embeddings (cap 32k)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_prefill_chunk: int | None = None  # longest prompt chunk per step (None: the budget)
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"       # auto | torch | triton
-    cuda_graphs: bool = True
-    # Plan and launch step k+1 before step k's tokens are read. None: on a GPU only (on a CPU
-    # the "launch" computes the step, so each output would wait one more step for nothing).
-    async_scheduling: bool | None = None
-    seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
-        for name in positive:
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"EngineConfig.dtype must be auto or one of {list(_DTYPES)}, "
-                             f"got {self.dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"EngineConfig.load_format must be auto or dummy, "
-                             f"got {self.load_format!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"EngineConfig.attention_backend must be auto, torch or triton, "
-                             f"got {self.attention_backend!r}")
+class EngineConfig(BaseModel):
+    """Everything an engine needs; defaults suit a laptop CPU and a single GPU alike.
 
-    def torch_device(self) -> torch.device:
+    The `engine:` mapping of the Serve application's args (router/app_config.py) is this
+    model; `LLM(path, **fields)` builds one with `EngineConfig.of`. Unknown fields and bad
+    values are refused with a ValueError naming the field (pydantic's ValidationError, a
+    ValueError too, when constructed directly).
+    """
+
+    model_config = _STRICT
+
+    model: str = Field(DEFAULT_MODEL, min_length=1, description=(
+        'a Hugging Face checkpoint directory (safetensors); "default": the bundled '
+        "SmolLM2-135M-Instruct"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "auto: float32 on a CPU, the checkpoint's 16-bit type on a GPU"))
+    device: str = Field("auto", min_length=1, description=(
+        'a torch device ("cpu", "cuda", "cuda:1"); auto: cuda if available, else cpu'))
+    load_format: Literal["auto", "dummy"] = Field("auto", description=(
+        "auto: safetensors; dummy: random weights from the model's config.json"))
+    block_size: int = Field(16, ge=1, description="tokens per KV block, a power of two")
+    num_kv_blocks: int | None = Field(None, ge=1, description=(
+        "KV blocks of the engine; null: sized from memory"))
+    kv_cache_memory_gb: float = Field(1.0, gt=0, description=(
+        "KV cache size on a CPU when num_kv_blocks is null"))
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description=(
+        "share of a GPU's memory this engine may take (weights, activations, KV), counting "
+        "only its own use: engines sharing a GPU each keep to their share"))
+    max_model_len: int | None = Field(None, ge=1, description=(
+        f"longest sequence, prompt and output; null: the model's context length, at most "
+        f"{MAX_DEFAULT_CONTEXT}"))
+    max_num_seqs: int = Field(256, ge=1, description="sequences in the running batch")
+    max_num_batched_tokens: int = Field(2048, ge=1, description=(
+        "token budget of one engine step (chunked prefill)"))
+    max_prefill_chunk: int | None = Field(None, ge=1, description=(
+        "longest prompt chunk in one step; null: the step's token budget"))
+    enable_prefix_caching: bool = Field(True, description=(
+        "reuse the KV blocks of prompt prefixes already computed"))
+    attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description=(
+        "auto: triton on a GPU, torch on a CPU"))
+    cuda_graphs: bool = Field(True, description="capture decode steps as CUDA graphs (GPU)")
+    async_scheduling: bool | None = Field(None, description=(
+        "plan and launch step k+1 before step k's tokens are read; null: on a GPU only (on a "
+        "CPU the launch computes the step, so each output would wait one step for nothing)"))
+    seed: int = Field(0, description="seed of the random weights of load_format dummy")
+
+    @classmethod
+    def of(cls, **fields: Any) -> EngineConfig:
+        """The config of these fields; a ValueError names each bad or unknown one in a line."""
+        return validate_config(cls, fields, "EngineConfig")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("must be a power of two")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+    def torch_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+    def torch_dtype(self, model: ModelConfig) -> "torch.dtype":
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         if self.torch_device().type == "cpu":
             return torch.float32
         return torch.float16 if model.checkpoint_dtype == "float16" else torch.bfloat16
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    """The engine's max_model_len: as set, else the model's context length capped at
+    MAX_DEFAULT_CONTEXT. The router resolves it once and hands it to every engine, so that
+    its prompt limits and the engines' agree."""
+    return config.max_model_len or min(model.max_position_embeddings, MAX_DEFAULT_CONTEXT)

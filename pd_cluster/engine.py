@@ -6,7 +6,7 @@ import itertools
 import os
 import time
 
-from pd_cluster.config import EngineConfig, ModelConfig
+from pd_cluster.config import DEFAULT_MODEL, EngineConfig, ModelConfig, resolve_max_model_len
 from pd_cluster.kv_cache_manager import KVCacheManager
 from pd_cluster.model_runner import LaunchedStep, ModelRunner, StepListener
 from pd_cluster.output_processor import OutputProcessor
@@ -24,15 +24,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model_dir = config.model
-        if model_dir is None:
+        if model_dir == DEFAULT_MODEL:
             from pd_cluster.default_model import default_model_path
             model_dir = default_model_path()
         if config.load_format != "dummy" and not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory not found: {model_dir!r}")
         self.model_dir = model_dir
         self.model_cfg = ModelConfig.from_dir(model_dir)
-        self.max_model_len = config.max_model_len or min(self.model_cfg.max_position_embeddings,
-                                                         32768)
+        self.max_model_len = resolve_max_model_len(config, self.model_cfg)
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
         self.runner = ModelRunner(config, model_dir, self.model_cfg, self.max_model_len,
                                   os.path.basename(os.path.normpath(model_dir)))

@@ -5,7 +5,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from pd_cluster.config import EngineConfig
+from pd_cluster.config import DEFAULT_MODEL, EngineConfig
 from pd_cluster.engine import LLMEngine, Prompt
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
@@ -16,11 +16,13 @@ Message = dict[str, str]
 class LLM:
     """Runs a model in this process. `LLM()` loads the bundled default model.
 
-    Keyword arguments are `EngineConfig` fields, e.g. `LLM(path, block_size=32, dtype="bfloat16")`.
+    Keyword arguments are `EngineConfig` fields, e.g. `LLM(path, block_size=32, dtype="bfloat16")`;
+    an unknown one or a bad value is a ValueError naming it.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig.of(model=DEFAULT_MODEL if model is None else model,
+                                                **kwargs))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

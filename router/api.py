@@ -64,7 +64,7 @@ class Router:
     def models(self) -> dict[str, Any]:
         config = self.serving.config
         return {"object": "list",
-                "data": [{"id": config.model, "object": "model", "created": self.created,
+                "data": [{"id": config.engine.model, "object": "model", "created": self.created,
                           "owned_by": "pd-cluster", "max_model_len": self.serving.max_model_len}]}
 
 

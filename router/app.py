@@ -25,7 +25,7 @@ import ray
 from fastapi import FastAPI
 from ray import serve
 
-from pd_cluster.config import EngineConfig, ModelConfig
+from pd_cluster.config import DEFAULT_MODEL, EngineConfig, ModelConfig, resolve_max_model_len
 from pd_cluster.tokenizer import load_tokenizer
 from router.api import Router, create_app
 from router.app_config import AppConfig, replica_actor_options
@@ -35,8 +35,6 @@ from router.serving import OpenAIServing
 from router.streams import LoadMonitor
 
 logger = logging.getLogger(__name__)
-# The engine's own cap on a model's context length when max_model_len is unset.
-MAX_DEFAULT_CONTEXT = 32768
 # Router replica requests beyond the engines' slots and queue: /health, /metrics, and the
 # requests it answers with 429 must still get through Serve's per-replica limit.
 SPARE_ONGOING_REQUESTS = 64
@@ -49,27 +47,17 @@ HAPROXY_INGRESS_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
 def model_dir(config: AppConfig) -> str:
-    if config.model == "default":
+    if config.engine.model == DEFAULT_MODEL:
         from pd_cluster.default_model import default_model_path
         return default_model_path()
-    return config.model
+    return config.engine.model
 
 
-def context_length(config: AppConfig, path: str) -> int:
-    """max_model_len as the engine would choose it; computed once by the router and passed
-    to the engines, so the router's prompt limits and the engines' agree."""
-    return config.max_model_len or min(ModelConfig.from_dir(path).max_position_embeddings,
-                                       MAX_DEFAULT_CONTEXT)
-
-
-def engine_config(config: AppConfig, max_model_len: int) -> EngineConfig:
-    """What every engine replica runs with."""
-    return EngineConfig(model=None if config.model == "default" else config.model,
-                        dtype=config.dtype, block_size=config.block_size,
-                        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-                        max_num_batched_tokens=config.max_num_batched_tokens,
-                        gpu_memory_utilization=config.gpu_memory_utilization,
-                        load_format=config.load_format)
+def replica_engine(config: AppConfig, path: str) -> EngineConfig:
+    """`config.engine` with max_model_len resolved as the engine would: resolved once by the
+    router and handed to every engine replica, so the router's prompt limits and theirs agree."""
+    max_model_len = resolve_max_model_len(config.engine, ModelConfig.from_dir(path))
+    return config.engine.model_copy(update={"max_model_len": max_model_len})
 
 
 def start_client(config: AppConfig, engine: EngineConfig,
@@ -91,16 +79,16 @@ class OpenAIRouter:
         path = model_dir(config)
         tokenizer = load_tokenizer(path)
         if tokenizer is None:
-            raise ValueError(f"model: {config.model!r} has no tokenizer files; the router "
-                             "needs one to serve text")
-        max_model_len = context_length(config, path)
-        client = start_client(config, engine_config(config, max_model_len), actor_options)
+            raise ValueError(f"engine.model: {config.engine.model!r} has no tokenizer files; "
+                             "the router needs one to serve text")
+        engine = replica_engine(config, path)
+        client = start_client(config, engine, actor_options)
         await client.wait_ready(ENGINE_START_TIMEOUT_S)
-        metrics = RouterMetrics(config.model)
+        metrics = RouterMetrics(config.engine.model)
         policy = make_policy(config.routing.policy, RoutingInputs(
-            config.num_prefill, config.num_decode, config.block_size,
+            config.num_prefill, config.num_decode, engine.block_size,
             config.routing.prefill_weight, config.conditional_disagg_threshold))
-        serving = OpenAIServing(config, client, policy, tokenizer, max_model_len, metrics)
+        serving = OpenAIServing(config, client, policy, tokenizer, engine.max_model_len, metrics)
         api_key = _api_key(config)
         self.router = Router(serving, LoadMonitor(client, policy, metrics), api_key)
         logger.info("router ready: %s mode, %d prefill + %d decode replicas, auth %s",
@@ -132,7 +120,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                      for role in ("prefill", "decode")}
     # replica_actor_options leaves the router one CPU when the cluster has two or more.
     router_cpus = 1.0 if resources.get("CPU", 0) >= 2 else 0.0
-    ongoing = (config.num_decode * config.max_num_seqs + config.limits.max_queue
+    ongoing = (config.num_decode * config.engine.max_num_seqs + config.limits.max_queue
                + SPARE_ONGOING_REQUESTS)
     deployment = OpenAIRouter.options(max_ongoing_requests=ongoing,
                                       ray_actor_options={"num_cpus": router_cpus})

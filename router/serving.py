@@ -52,14 +52,14 @@ class OpenAIServing:
         self.config, self.client, self.policy = config, client, policy
         self.tokenizer, self.max_model_len, self.metrics = tokenizer, max_model_len, metrics
         self.max_prompt_tokens = config.limits.max_prompt_tokens or max_model_len - 1
-        self.admission = Admission(config.num_decode * config.max_num_seqs,
+        self.admission = Admission(config.num_decode * config.engine.max_num_seqs,
                                    config.limits.max_queue, metrics)
 
     async def completions(self, body: Any) -> Body:
         req: CompletionRequest = parse(CompletionRequest, body)
         self.check_model(req.model)
         prompts = [self._prompt_ids(p) for p in req.prompts()]
-        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", self.config.model,
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", self.config.engine.model,
                                   self.tokenizer, req.logprobs)
         return await self._serve(req, prompts, req.max_tokens, req.logprobs, fmt)
 
@@ -74,13 +74,13 @@ class OpenAIServing:
             raise bad_request(f"messages: cannot apply the chat template: {e}",
                               param="messages") from None
         top = (req.top_logprobs or 0) if req.logprobs else None
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.config.model,
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.config.engine.model,
                             self.tokenizer, top)
         return await self._serve(req, [self._check_length(ids)], req.requested_max_tokens,
                                  top, fmt)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model:
+        if model is not None and model != self.config.engine.model:
             raise model_not_found(model)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -1,18 +1,27 @@
 """AppConfig: the `args` contract of the Serve application, and the replicas' Ray resources."""
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from router.app_config import AUTO, POOL_SHARE, AppConfig, ReplicaResources, replica_actor_options
+from pd_cluster.config import EngineConfig
+from router.app_config import (AUTO, ROLE_RESOURCE_SHARE, AppConfig, ReplicaResources,
+                               replica_actor_options)
+
+SHARE = ROLE_RESOURCE_SHARE
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_empty_args_give_laptop_defaults():
     config = AppConfig.from_args({})
-    assert (config.model, config.mode, config.transport) == ("default", "disaggregated", "nixl")
+    assert (config.engine.model, config.mode, config.transport) == ("default", "disaggregated",
+                                                                    "nixl")
+    assert config.engine == EngineConfig()          # one default per engine field
+    assert config.engine.max_num_batched_tokens == 2048
     assert (config.num_prefill, config.num_decode) == (1, 1)
     assert config.prefill_resources == config.decode_resources == AUTO
     assert config.conditional_disagg_threshold == 0
@@ -22,24 +31,32 @@ def test_empty_args_give_laptop_defaults():
 
 def test_nested_sections_and_explicit_resources_are_parsed():
     config = AppConfig.from_args({
-        "num_prefill": 2, "num_decode": 6, "transport": "ray", "dtype": "bfloat16",
-        "max_model_len": 8192, "limits": {"max_queue": 10, "max_prompt_tokens": 4000},
+        "num_prefill": 2, "num_decode": 6, "transport": "ray",
+        "engine": {"dtype": "bfloat16", "max_model_len": 8192},
+        "limits": {"max_queue": 10, "max_prompt_tokens": 4000},
         "routing": {"prefill_weight": 0.5},
         "prefill_resources": {"num_gpus": 1, "resources": {"prefill": 0.01}},
     })
     assert config.limits.max_queue == 10 and config.limits.max_tokens == 4096
     assert config.routing.prefill_weight == 0.5
-    assert config.prefill_resources == ReplicaResources(1.0, 1.0, {"prefill": 0.01})
+    assert config.prefill_resources == ReplicaResources(num_gpus=1.0, resources={"prefill": 0.01})
     assert config.decode_resources == AUTO
+    assert config.engine.dtype == "bfloat16" and config.engine.max_model_len == 8192
 
 
-def test_gpu_memory_utilization_reaches_every_engine():
-    from router.app import engine_config
-    assert AppConfig.from_args({}).gpu_memory_utilization == 0.85
-    shared = AppConfig.from_args({"gpu_memory_utilization": 0.45,
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # Ray Serve's own pydantic use
+def test_the_engine_replicas_get_the_engine_mapping_with_max_model_len_resolved(
+        default_model_dir):
+    pytest.importorskip("ray")
+    from router.app import replica_engine
+
+    shared = AppConfig.from_args({"engine": {"gpu_memory_utilization": 0.45, "seed": 3},
                                   "prefill_resources": {"num_gpus": 0.5},
                                   "decode_resources": {"num_gpus": 0.5}})
-    assert engine_config(shared, 4096).gpu_memory_utilization == 0.45
+    engine = replica_engine(shared, default_model_dir)
+    assert engine.gpu_memory_utilization == 0.45 and engine.seed == 3
+    assert engine.max_model_len == 8192            # SmolLM2's context, under the 32768 cap
+    assert engine.model_copy(update={"max_model_len": None}) == shared.engine
 
 
 def test_colocated_mode_defaults_to_no_prefill_replicas():
@@ -47,8 +64,11 @@ def test_colocated_mode_defaults_to_no_prefill_replicas():
 
 
 @pytest.mark.parametrize("args, field", [
-    ({"bogus": 1}, "args: unknown key(s) bogus"),
-    ({"limits": {"max_tokenz": 5}}, "limits: unknown key(s) max_tokenz"),
+    ({"bogus": 1}, "args: unknown key(s) bogus; known keys: engine, mode, "),
+    ({"limits": {"max_tokenz": 5}}, "limits: unknown key(s) max_tokenz; known keys: max_tokens"),
+    ({"engine": {"blok_size": 16}}, "engine: unknown key(s) blok_size; known keys: model, "),
+    ({"block_size": 16}, "args: unknown key(s) block_size"),      # an engine field, at the top
+    ("engine: {}", "args:"),
     ({"mode": "split"}, "mode:"),
     ({"transport": "tcp"}, "transport:"),
     ({"num_decode": 0}, "num_decode:"),
@@ -57,22 +77,30 @@ def test_colocated_mode_defaults_to_no_prefill_replicas():
     ({"mode": "colocated", "num_prefill": 1}, "num_prefill:"),
     ({"num_decode": True}, "num_decode:"),
     ({"num_decode": 1.5}, "num_decode:"),
-    ({"model": ""}, "model:"),
-    ({"model": None}, "model:"),
+    ({"engine": {"model": ""}}, "engine.model:"),
+    ({"engine": {"model": "  "}}, "engine.model: must not be blank"),
+    ({"engine": {"model": None}}, "engine.model:"),
+    ({"engine": None}, "engine:"),
     ({"num_decode": None}, "num_decode:"),
-    ({"block_size": 12}, "block_size:"),
-    ({"dtype": "fp8"}, "dtype:"),
+    ({"engine": {"block_size": 12}}, "engine.block_size: must be a power of two, got 12"),
+    ({"engine": {"block_size": 0}}, "engine.block_size:"),
+    ({"engine": {"dtype": "fp8"}}, "engine.dtype:"),
+    ({"engine": {"max_num_batched_tokens": "lots"}}, "engine.max_num_batched_tokens:"),
+    ({"engine": {"attention_backend": "flash"}}, "engine.attention_backend:"),
     ({"prefill_failure_policy": "retry"}, "prefill_failure_policy:"),
-    ({"load_format": "gguf"}, "load_format:"),
-    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization:"),
-    ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization:"),
-    ({"gpu_memory_utilization": "most"}, "gpu_memory_utilization:"),
+    ({"engine": {"load_format": "gguf"}}, "engine.load_format:"),
+    ({"engine": {"gpu_memory_utilization": 0}}, "engine.gpu_memory_utilization:"),
+    ({"engine": {"gpu_memory_utilization": 1.2}}, "engine.gpu_memory_utilization:"),
+    ({"engine": {"gpu_memory_utilization": "most"}}, "engine.gpu_memory_utilization:"),
+    ({"engine": {"kv_cache_memory_gb": float("inf")}}, "engine.kv_cache_memory_gb:"),
     ({"limits": {"request_timeout_s": 0}}, "limits.request_timeout_s:"),
+    ({"limits": {"max_queue": -1}}, "limits.max_queue:"),
     ({"limits": "lots"}, "limits:"),
     ({"routing": {"policy": "magic"}}, "routing.policy:"),
     ({"routing": {"prefill_weight": -1}}, "routing.prefill_weight:"),
     ({"api_key_env": "MY-KEY"}, "api_key_env:"),
-    ({"max_model_len": 100, "limits": {"max_tokens": 200}}, "limits.max_tokens:"),
+    ({"engine": {"max_model_len": 100}, "limits": {"max_tokens": 200}},
+     "limits.max_tokens: 200 exceeds engine.max_model_len 100"),
     ({"decode_resources": "gpu"}, "decode_resources:"),
     ({"decode_resources": {"gpus": 1}}, "decode_resources: unknown key(s) gpus"),
     ({"decode_resources": {"resources": {"decode": "x"}}}, "decode_resources.resources.decode:"),
@@ -80,6 +108,23 @@ def test_colocated_mode_defaults_to_no_prefill_replicas():
 def test_bad_args_raise_value_error_naming_the_field(args, field):
     with pytest.raises(ValueError, match="^" + re.escape(field)):
         AppConfig.from_args(args)
+
+
+def test_engine_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"^block_size: must be a power of two, got 24$"):
+        EngineConfig.of(block_size=24)
+    with pytest.raises(ValueError, match=r"^EngineConfig: unknown key\(s\) blok_size; known"):
+        EngineConfig.of(blok_size=16)
+    with pytest.raises(ValueError, match="max_num_seqs"):      # pydantic's own message
+        EngineConfig(max_num_seqs=0)
+
+
+def test_the_config_imports_neither_ray_nor_torch():
+    code = ("import sys, router.app_config; "
+            "print(sorted({'ray', 'torch'} & {m.split('.')[0] for m in sys.modules}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_pd_yaml_args_are_accepted():
@@ -91,16 +136,16 @@ def test_pd_yaml_args_are_accepted():
 
 LAPTOP = {"CPU": 8.0, "memory": 1e10}
 GPU_BOX = {"CPU": 64.0, "GPU": 8.0}
-POOLS = {"CPU": 200.0, "GPU": 16.0, "prefill": 8.0, "decode": 8.0}
+GROUPS = {"CPU": 200.0, "GPU": 16.0, "prefill": 8.0, "decode": 8.0}
 
 
 @pytest.mark.parametrize("cluster, role, expected", [
     (LAPTOP, "prefill", {"num_cpus": 1.0, "num_gpus": 0.0}),
     (GPU_BOX, "decode", {"num_cpus": 1.0, "num_gpus": 1.0}),
-    (POOLS, "prefill", {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"prefill": POOL_SHARE}}),
-    (POOLS, "decode", {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"decode": POOL_SHARE}}),
+    (GROUPS, "prefill", {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"prefill": SHARE}}),
+    (GROUPS, "decode", {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"decode": SHARE}}),
     ({"CPU": 4.0, "decode": 1.0}, "decode",
-     {"num_cpus": 1.0, "num_gpus": 0.0, "resources": {"decode": POOL_SHARE}}),
+     {"num_cpus": 1.0, "num_gpus": 0.0, "resources": {"decode": SHARE}}),
 ])
 def test_auto_resources_follow_what_the_cluster_offers(cluster, role, expected):
     assert replica_actor_options(AppConfig.from_args({}), role, cluster) == expected
@@ -118,7 +163,7 @@ def test_explicit_resources_are_used_as_written_whatever_the_cluster():
                                                        "resources": {"big_decode": 1}}})
     expected = {"num_cpus": 4.0, "num_gpus": 2.0, "resources": {"big_decode": 1.0}}
     assert replica_actor_options(config, "decode", LAPTOP) == expected
-    assert replica_actor_options(config, "prefill", POOLS)["resources"] == {"prefill": POOL_SHARE}
+    assert replica_actor_options(config, "prefill", GROUPS)["resources"] == {"prefill": SHARE}
 
 
 def test_unknown_role_is_refused():

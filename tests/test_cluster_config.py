@@ -8,7 +8,7 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from router.app_config import POOL_SHARE, ROLES, AppConfig, replica_actor_options
+from router.app_config import ROLE_RESOURCE_SHARE, ROLES, AppConfig, replica_actor_options
 
 REPO = Path(__file__).resolve().parents[1]
 GPUS_PER_INSTANCE = {"p5.48xlarge": 8, "p5e.48xlarge": 8, "p5en.48xlarge": 8, "g6e.48xlarge": 8}
@@ -52,7 +52,7 @@ def test_auto_resources_pin_replicas_to_the_pools_once_they_have_joined(cluster)
     config = AppConfig.from_args({})
     for role in ROLES:
         assert replica_actor_options(config, role, offered) == {
-            "num_cpus": 1.0, "num_gpus": 1.0, "resources": {role: POOL_SHARE}}
+            "num_cpus": 1.0, "num_gpus": 1.0, "resources": {role: ROLE_RESOURCE_SHARE}}
 
 
 def test_setup_installs_the_project_synced_by_file_mounts(cluster):

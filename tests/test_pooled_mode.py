@@ -16,7 +16,7 @@ from test_disagg_actors import collect as collect_outputs
 from tiny_models import make_tiny_model
 
 ray = pytest.importorskip("ray")
-from router.app import engine_config, start_client  # noqa: E402
+from router.app import start_client  # noqa: E402
 from router.app_config import AppConfig  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -37,11 +37,12 @@ def ray_cluster():
 
 def start(model_dir: str, transport: str, num_decode: int = 1):
     # Small KV pools (8 sequences of 512 tokens) keep the engines and the KV cache light.
-    config = AppConfig.from_args({"model": model_dir, "mode": "pooled", "transport": transport,
-                                  "num_decode": num_decode, "max_model_len": 512,
-                                  "max_num_seqs": 8,
+    config = AppConfig.from_args({"mode": "pooled", "transport": transport,
+                                  "num_decode": num_decode,
+                                  "engine": {"model": model_dir, "max_model_len": 512,
+                                             "max_num_seqs": 8},
                                   "limits": {"request_timeout_s": 30, "max_tokens": 400}})
-    client = start_client(config, engine_config(config, 512), OPTIONS)
+    client = start_client(config, config.engine, OPTIONS)
     asyncio.run(client.wait_ready(120))
     return client
 

@@ -75,12 +75,12 @@ def tokenizer(default_model_dir: str):
 
 def make_client(tokenizer, **args) -> tuple[TestClient, ScriptedClient]:
     config = AppConfig.from_args({"mode": "colocated", "api_key_env": "PD_KEY",
-                                  "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 2,
+                                  "engine": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 2},
                                   "limits": {"max_tokens": 32, "max_queue": 1}, **args})
     engine = ScriptedClient()
     engine.tokenizer = tokenizer
-    metrics = RouterMetrics(config.model)
-    policy = make_policy("kv_aware", RoutingInputs(0, 1, config.block_size))
+    metrics = RouterMetrics(config.engine.model)
+    policy = make_policy("kv_aware", RoutingInputs(0, 1, config.engine.block_size))
     serving = OpenAIServing(config, engine, policy, tokenizer, MAX_MODEL_LEN, metrics)
     router = Router(serving, LoadMonitor(engine, policy, metrics), KEY)
     return TestClient(create_app(router), raise_server_exceptions=False), engine

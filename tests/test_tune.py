@@ -11,12 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pd_cluster.cli import main
 from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES, LatencyModel,
                                        Profile, ServingOverhead, kv_bytes_per_token)
 from pd_cluster.step_totals import StepWork, new_totals
 from pd_cluster.tuning.serving import MIN_STEPS, engine_seconds, served_scales
+from router.app_config import AppConfig
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -51,6 +53,8 @@ def test_prompt_heavy_with_loose_tpot_gets_more_prefill(h100_profile: Path, tmp_
     assert best["num_prefill"] > best["num_decode"] >= 1, best
     args = (tmp_path / "pd-args.yaml").read_text()
     assert "mode: disaggregated" in args and f"num_prefill: {best['num_prefill']}" in args
+    config = AppConfig.from_args(yaml.safe_load(args))      # keys of the app's config tree
+    assert config.num_prefill == best["num_prefill"] and config.engine.max_num_seqs >= 1
     helm = (tmp_path / "helm-values.yaml").read_text()
     assert f"prefill:\n  replicas: {best['num_prefill']}" in helm
 

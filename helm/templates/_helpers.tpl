@@ -40,44 +40,47 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- div (add (int .replicas) (sub $per 1)) $per -}}
 {{- end -}}
 
-{{/* Ray actor options of one engine replica; the 0.01 share of the pool's custom resource
-     is router.app_config.POOL_SHARE: it pins the replica to its pool, GPUs limit packing. */}}
+{{/* Ray actor options of one engine replica. The 0.01 share of the role's custom resource
+     equals router.app_config.ROLE_RESOURCE_SHARE: it pins the replica to its worker group,
+     GPUs limit packing. */}}
 {{- define "pd-cluster.replicaResources" -}}
-{{- $pool := index .root.Values .role -}}
-{{- toYaml (dict "num_gpus" (int $pool.gpusPerReplica) "num_cpus" (float64 $pool.cpusPerReplica) "resources" (dict .role 0.01)) -}}
+{{- $group := index .root.Values .role -}}
+{{- toYaml (dict "num_gpus" (int $group.gpusPerReplica) "num_cpus" (float64 $group.cpusPerReplica) "resources" (dict .role 0.01)) -}}
 {{- end -}}
 
-{{/* The application's args: every key is an AppConfig field (router/app_config.py). */}}
+{{/* A mapping of values with its keys in snake_case: the matching mapping of the args. */}}
+{{- define "pd-cluster.snakeKeys" -}}
+{{- $out := dict -}}
+{{- range $key, $value := . }}{{ $_ := set $out (snakecase $key) $value }}{{ end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* The application's args, AppConfig (router/app_config.py): each is the value of the same
+     path in snake_case, but num_prefill / num_decode and the replicas' resources (from the
+     prefill / decode groups) and api_key_env (from apiKey). */}}
 {{- define "pd-cluster.appArgs" -}}
 {{- $v := .Values -}}
-{{- $e := $v.engine -}}
-{{- $args := dict "model" $v.model "mode" $v.mode "transport" $v.transport
+{{- $args := dict
       "num_decode" (int $v.decode.replicas)
-      "decode_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "decode") | fromYaml)
-      "block_size" (int $e.blockSize) "dtype" $e.dtype
-      "max_num_seqs" (int $e.maxNumSeqs) "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
-      "gpu_memory_utilization" (float64 $e.gpuMemoryUtilization)
-      "conditional_disagg_threshold" (int $e.conditionalDisaggThreshold)
-      "prefill_failure_policy" $e.prefillFailurePolicy "load_format" $e.loadFormat
-      "routing" (dict "policy" $v.routing.policy "prefill_weight" (float64 $v.routing.prefillWeight)) -}}
+      "decode_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "decode") | fromYaml) -}}
+{{- range $key := list "mode" "transport" "conditionalDisaggThreshold" "prefillFailurePolicy" -}}
+{{- if hasKey $v $key }}{{ $_ := set $args (snakecase $key) (index $v $key) }}{{ end -}}
+{{- end -}}
+{{- range $key := list "engine" "limits" "routing" -}}
+{{- $_ := set $args $key (include "pd-cluster.snakeKeys" (index $v $key) | fromYaml) -}}
+{{- end -}}
 {{- if ne $v.mode "colocated" -}}
 {{- $_ := set $args "num_prefill" (int $v.prefill.replicas) -}}
 {{- $_ := set $args "prefill_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "prefill") | fromYaml) -}}
 {{- end -}}
-{{- if $e.maxModelLen -}}
-{{- $_ := set $args "max_model_len" (int $e.maxModelLen) -}}
+{{- if $v.engine.maxModelLen -}}
 {{- range $key := list "maxTokens" "maxPromptTokens" -}}
 {{- $limit := index $v.limits $key -}}
-{{- if and $limit (gt (int $limit) (int $e.maxModelLen)) -}}
-{{- fail (printf "limits.%s (%d) exceeds engine.maxModelLen (%d)" $key (int $limit) (int $e.maxModelLen)) -}}
+{{- if and $limit (gt (int $limit) (int $v.engine.maxModelLen)) -}}
+{{- fail (printf "limits.%s (%d) exceeds engine.maxModelLen (%d)" $key (int $limit) (int $v.engine.maxModelLen)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
-{{- $limits := dict "max_tokens" (int $v.limits.maxTokens) "max_queue" (int $v.limits.maxQueue) "request_timeout_s" (float64 $v.limits.requestTimeoutS) -}}
-{{- if $v.limits.maxPromptTokens -}}
-{{- $_ := set $limits "max_prompt_tokens" (int $v.limits.maxPromptTokens) -}}
-{{- end -}}
-{{- $_ := set $args "limits" $limits -}}
 {{- if $v.apiKey.secretName -}}
 {{- $_ := set $args "api_key_env" $v.apiKey.envName -}}
 {{- end -}}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from pd_cluster.config import EngineConfig
+from pd_cluster.config import DEFAULT_MODEL, EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES, LatencyModel,
@@ -71,6 +71,7 @@ def run_profile(model: str | None = None, dtype: str = "auto", device: str = "au
 
     `threads`: torch CPU threads; None keeps torch's choice on a GPU and uses 1 on a CPU.
     """
+    model = DEFAULT_MODEL if model is None else model
     probe = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format)
     device_type = probe.torch_device().type
     grid = grid or default_grid(device_type)

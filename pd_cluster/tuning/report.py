@@ -73,8 +73,9 @@ def serve_args_snippet(best: Candidate, limits: EngineLimits) -> str:
         f"mode: {mode}",
         f"num_prefill: {best.spec.num_prefill}",
         f"num_decode: {best.spec.num_decode}",
-        f"max_num_seqs: {limits.max_num_seqs}",
-        f"max_num_batched_tokens: {limits.max_num_batched_tokens}",
+        "engine:",
+        f"  max_num_seqs: {limits.max_num_seqs}",
+        f"  max_num_batched_tokens: {limits.max_num_batched_tokens}",
     ]) + "\n"
 
 
