@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pd_cluster.tuning.profile import DECODE_FEATURES, PREFILL_FEATURES, LatencyModel, Profile
+from router.app_config import AppConfig
 
 from bench import serving_sweep
 from bench.serving_app import RECORD_COLUMNS, Deployment, app_args
@@ -41,10 +42,12 @@ def test_configurations_translate_to_app_args():
     assert str(Deployment(1, 3)) == "disagg:1:3"        # a tune row (P, D) names its config
     with pytest.raises(ValueError, match="disagg:P:D or colo:N"):
         Deployment.parse("pooled:1")
-    args = app_args(["dtype=bfloat16", "limits.max_queue=1024", "max_model_len=4096"])
-    assert (args["dtype"], args["limits"]["max_queue"], args["max_model_len"]) == \
+    args = app_args(["engine.dtype=bfloat16", "limits.max_queue=1024",
+                     "engine.max_model_len=4096"])
+    config = AppConfig.from_args(args)
+    assert (config.engine.dtype, config.limits.max_queue, config.engine.max_model_len) == \
         ("bfloat16", 1024, 4096)
-    assert args["limits"]["max_tokens"] == 4096 and "api_key_env" not in args
+    assert config.limits.max_tokens == 4096 and "api_key_env" not in args
 
 
 def records_of(point: dict) -> list[dict]:
