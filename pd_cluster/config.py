@@ -78,10 +78,11 @@ class ModelConfig:
 
 
 DEFAULT_MODEL = "default"
-# max_model_len when it is unset: the model's context length, at most this many tokens (a
-# longer context would size every engine's buffers for prompts nobody sends by default).
+# max_model_len when it is unset: the model's context length, at most this many tokens.
 MAX_DEFAULT_CONTEXT = 32768
-_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+# Every configuration model: unknown keys refused; no coercion (True is no integer, "8" no
+# number); immutable once validated, since one config is handed to many replicas.
+STRICT_MODEL_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class EngineConfig(BaseModel):
@@ -93,7 +94,7 @@ class EngineConfig(BaseModel):
     ValueError too, when constructed directly).
     """
 
-    model_config = _STRICT
+    model_config = STRICT_MODEL_CONFIG
 
     model: str = Field(DEFAULT_MODEL, min_length=1, description=(
         'a Hugging Face checkpoint directory (safetensors); "default": the bundled '
@@ -149,14 +150,14 @@ class EngineConfig(BaseModel):
             raise ValueError("must not be blank")
         return value
 
-    def torch_device(self) -> "torch.device":
+    def torch_device(self) -> torch.device:
         import torch
 
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self, model: ModelConfig) -> "torch.dtype":
+    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
         import torch
 
         if self.dtype != "auto":

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
-from pd_cluster.config import EngineConfig
+from pd_cluster.config import STRICT_MODEL_CONFIG, EngineConfig
 from pd_cluster.config_errors import validate_config
 
 RoutingPolicy = Literal["kv_aware", "round_robin"]
@@ -34,13 +34,12 @@ AUTO = "auto"
 ROLE_RESOURCE_SHARE = 0.01
 MIN_CPU_SHARE = 0.01        # the least CPU share an auto replica gets on a crowded machine
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_STRICT = EngineConfig.model_config
 
 
 class ReplicaResources(BaseModel):
     """Explicit Ray resources of one engine replica, used instead of "auto"."""
 
-    model_config = _STRICT
+    model_config = STRICT_MODEL_CONFIG
 
     num_gpus: float = Field(0.0, ge=0, description="GPUs of the replica")
     num_cpus: float = Field(1.0, ge=0, description="CPUs of the replica")
@@ -71,7 +70,7 @@ Resources = Annotated[
 class Limits(BaseModel):
     """What the router refuses or cuts short, so that overload is answered instead of queued."""
 
-    model_config = _STRICT
+    model_config = STRICT_MODEL_CONFIG
 
     max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_prompt_tokens: int | None = Field(None, ge=1, description=(
@@ -85,7 +84,7 @@ class Limits(BaseModel):
 class Routing(BaseModel):
     """How the router scores candidates: Dynamo's `w × blocks to prefill + active decode blocks`."""
 
-    model_config = _STRICT
+    model_config = STRICT_MODEL_CONFIG
 
     policy: RoutingPolicy = Field("kv_aware", description="kv_aware | round_robin")
     prefill_weight: float = Field(1.0, ge=0, description=(
@@ -95,7 +94,7 @@ class Routing(BaseModel):
 class AppConfig(BaseModel):
     """The application's `args`, validated. Defaults run on a laptop's CPU with the bundled model."""
 
-    model_config = _STRICT
+    model_config = STRICT_MODEL_CONFIG
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description=(
         "what every engine replica runs with (pd_cluster.config.EngineConfig)"))
