@@ -2,8 +2,8 @@
 called directly, interleaved on one deployment; prints JSON (and writes it with -o).
 
     python bench/router_overhead.py [--config configs/pd.yaml] [--requests 200]
-        [--set mode=colocated] [--set engine.dtype=bfloat16] [--max-seconds 170] [--ingress haproxy|proxy]
-        [--http-port PORT] [-o out.json]
+        [--set mode=colocated] [--set engine.dtype=bfloat16] [--max-seconds 170]
+        [--ingress haproxy|proxy] [--http-port PORT] [-o out.json]
 
 One Serve application is deployed (`build_app(args)` on a free loopback port, which stands
 for the shipped port 8000: HAProxy listens there, or with --ingress proxy Serve's Python

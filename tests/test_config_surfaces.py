@@ -53,7 +53,8 @@ def submodel(field: FieldInfo) -> type[BaseModel] | None:
         else None
 
 
-def leaves(model: type[BaseModel] = AppConfig, prefix: FieldPath = ()) -> dict[FieldPath, FieldInfo]:
+def leaves(model: type[BaseModel] = AppConfig,
+           prefix: FieldPath = ()) -> dict[FieldPath, FieldInfo]:
     """Every field of the tree that holds a value, by its path (nested models recursed)."""
     found: dict[FieldPath, FieldInfo] = {}
     for name, field in model.model_fields.items():
