@@ -3,8 +3,7 @@ scheduling. On a CPU it is off by default, so it is forced on here: same request
 engine settings, every feature whose bookkeeping it defers (stop tokens found a step late,
 seeded sampling, logprobs, preemption, prefix hits, aborts while a step is in flight)."""
 from pd_cluster import LLM, SamplingParams
-from test_engine_matches_hf import mixed_prompts
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, mixed_prompts
 
 
 def _params(stop_token: int | None) -> list[SamplingParams]:

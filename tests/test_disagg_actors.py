@@ -4,34 +4,23 @@ with every KV block free afterwards."""
 from __future__ import annotations
 
 import asyncio
-import os
-import time
-from pathlib import Path
 
 import pytest
 
+from engine_clients import collect, prefilled_tokens, prefilling
 from hf_reference import hf_greedy
 from pd_cluster import LLM, EngineConfig, SamplingParams
 from router.routing import Route
 from tiny_models import make_tiny_model
+from waiting import wait_until, wait_until_async
 
 ray = pytest.importorskip("ray")
 from actors.decode_actor import DecodingActor  # noqa: E402
 from router.disagg_client import DisaggregatedClient, EngineUnavailable  # noqa: E402
 from actors.prefill_actor import PrefillActor  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    os.environ.setdefault("UCX_TLS", "tcp")
-    os.environ["UCX_WARN_UNUSED_ENV_VARS"] = "n"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def start(model_dir, transport, num_p=1, num_d=1, recompute=True, lease_s=60.0, **engine):
@@ -45,15 +34,6 @@ def start(model_dir, transport, num_p=1, num_d=1, recompute=True, lease_s=60.0, 
     return client
 
 
-async def collect(client, rid, prompt, params, route, on_output=None):
-    final = None
-    async for out in client.generate(rid, prompt, params, route):
-        final = out
-        if on_output is not None:
-            await on_output(out)
-    return final
-
-
 def run_all(client, prompts, params=GREEDY, routes=None):
     async def go():
         return await asyncio.gather(*[
@@ -62,9 +42,35 @@ def run_all(client, prompts, params=GREEDY, routes=None):
     return [o.outputs[0].token_ids for o in asyncio.run(go())]
 
 
+def all_free(loads) -> bool:
+    return bool(loads) and all(ld.kv_blocks_used == 0 and ld.num_running == 0 for ld in loads)
+
+
 def assert_all_free(client):
     loads = asyncio.run(client.loads())
-    assert loads and all(ld.kv_blocks_used == 0 and ld.num_running == 0 for ld in loads), loads
+    assert all_free(loads), loads
+
+
+def wait_all_free(client, timeout_s: float):
+    """Until every live replica holds no block and runs nothing (frees that happen after the
+    request's stream has ended: aborts, lease expiry)."""
+    try:
+        wait_until(lambda: all_free(asyncio.run(client.loads())), timeout_s, 0.1)
+    except TimeoutError:
+        pass            # the assertion says what is left
+    assert_all_free(client)
+
+
+def load_of(actor) -> dict:
+    return ray.get(actor.load.remote())
+
+
+async def _all_free_now(client) -> bool:
+    return all_free(await client.loads())
+
+
+async def _prefilling(actor) -> bool:
+    return prefilling(await actor.load.remote())
 
 
 def shutdown(client):
@@ -161,19 +167,28 @@ def test_killed_decoder_with_no_spare_fails_clearly(tiny):
         shutdown(client)
 
 
-def test_killed_prefiller_mid_prefill_falls_back(default_model_dir):
+def test_killed_prefillers_mid_prefill_fall_back_to_another_then_to_the_decoder(
+        default_model_dir):
+    """P0 dies mid-prefill: P1 takes the prompt over; P1 dies mid-prefill too: D prefills it
+    itself. Each kill waits until that P has computed a chunk of the prompt and has more to
+    go (1000 tokens in 128-token chunks); D's own step counters show it computed the prompt."""
     prompt = list(range(100, 1100))
     params = SamplingParams(temperature=0, max_tokens=4)
     expected = LLM(default_model_dir).generate([prompt], params)[0].outputs[0].token_ids
     client = start(default_model_dir, "nixl", num_p=2, max_num_batched_tokens=128)
     try:
+        assert prefilled_tokens(load_of(client.decode[0])) == 0
+
         async def go():
             task = asyncio.create_task(collect(client, "p", prompt, params, Route(0, 0)))
-            await asyncio.sleep(1.0)     # 1000 tokens in 128-token chunks: still prefilling
-            ray.kill(client.prefill[0])
+            for p in client.prefill:            # P0 first (the route's), then the fallback P1
+                await wait_until_async(lambda p=p: _prefilling(p), 120, 0.02)
+                ray.kill(p)
             return await task
         final = asyncio.run(go())
         assert final.outputs[0].token_ids == expected
+        assert client.dead >= {("prefill", 0), ("prefill", 1)}
+        assert prefilled_tokens(load_of(client.decode[0])) == len(prompt)  # D's own prefill
         assert_all_free(client)
     finally:
         shutdown(client)
@@ -191,6 +206,9 @@ def test_failed_transfer_follows_the_policy(tiny, recompute):
         else:
             with pytest.raises(EngineUnavailable, match="injected transfer failure"):
                 run_all(client, [prompt])
+        assert prefilled_tokens(load_of(client.prefill[0])) == len(prompt)
+        # recompute: D prefilled the prompt itself after P's transfer failed; fail: it did not.
+        assert prefilled_tokens(load_of(client.decode[0])) == (len(prompt) if recompute else 0)
         assert_all_free(client)
     finally:
         shutdown(client)
@@ -207,27 +225,24 @@ def test_abort_mid_stream_frees_blocks_on_both_sides(tiny):
                 await s.__anext__()
             for s in streams:
                 await s.aclose()
-            await asyncio.sleep(1.0)
+            # The aborts reach P and D after the streams closed: wait for them, loop running.
+            try:
+                await wait_until_async(lambda: _all_free_now(client), 10, 0.1)
+            except TimeoutError:
+                pass            # the assertion says what is left
         asyncio.run(go())
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            loads = asyncio.run(client.loads())
-            if all(ld.kv_blocks_used == 0 and ld.num_running == 0 for ld in loads):
-                break
-            time.sleep(0.2)
         assert_all_free(client)
     finally:
         shutdown(client)
 
 
 def test_unclaimed_reservation_expires(tiny):
-    client = start(tiny, "nixl", lease_s=3.0)
+    client = start(tiny, "nixl", lease_s=1.0)
     try:
         dest = ray.get(client.decode[0].reserve.remote("orphan", [5, 6, 7, 8], GREEDY))
         assert dest is not None and dest.block_ids
         used = asyncio.run(client.loads())[1].kv_blocks_used
         assert used > 0
-        time.sleep(4)   # past the 3 s lease
-        assert_all_free(client)
+        wait_all_free(client, 10)   # the 1 s lease expires: D frees the blocks itself
     finally:
         shutdown(client)

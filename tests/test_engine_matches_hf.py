@@ -1,22 +1,11 @@
 """Acceptance 1 of the engine core: greedy output equals HF `generate` token for token."""
-import random
-
 import pytest
 
 from hf_reference import hf_greedy
 from pd_cluster import LLM, SamplingParams
-from tiny_models import VOCAB, make_tiny_model
+from tiny_models import make_tiny_model, mixed_prompts
 
 NEW_TOKENS = 64
-
-
-def mixed_prompts(seed: int = 0) -> list[list[int]]:
-    """Mixed lengths; several share a 13-token or 26-token prefix with another prompt."""
-    rng = random.Random(seed)
-    rand = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731 (ids 0-2 special)
-    shared, longer = rand(13), rand(13)
-    return [shared + rand(9), rand(3), shared + longer + rand(5), rand(30), shared + rand(1),
-            shared + longer + rand(11), rand(17), rand(1)]
 
 
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2_bias", "qwen3_qknorm", "llama_tied",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.kv_pool import BlockIndex, DistributedKVCache, KVCacheClient
-from test_transfer_support import BlockAllocator, blocks, model_kv, paged_pool, tiny_layout
+from kv_support import BlockAllocator, blocks, model_kv, paged_pool, tiny_layout
 from transfer.base import TransferError
 
 ray = pytest.importorskip("ray")
@@ -83,22 +83,13 @@ RemoteUser = ray.remote(num_cpus=0)(PoolUser)
 RemotePool = ray.remote(num_cpus=0, max_concurrency=8)(DistributedKVCache)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    from test_transfer_actors import start_ray
-
-    start_ray()
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def kv() -> torch.Tensor:
     return model_kv(LAYOUT, 24, seed=11)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def cluster(request, kv):
+def cluster(request, ray_cluster, kv):
     pool = RemotePool.remote(POOL_LAYOUT, request.param, timeout_s=5.0, lease_s=1.0)
     writer, reader = RemoteUser.remote(request.param, kv), RemoteUser.remote(request.param)
     ray.get([writer.attach.remote(pool), reader.attach.remote(pool)])

@@ -4,38 +4,20 @@ in a clear error with every block back in its free list on both sides."""
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from test_transfer_support import BlockAllocator, blocks, model_kv, paged_pool, tiny_layout
+from kv_support import BlockAllocator, blocks, model_kv, paged_pool, tiny_layout
 from transfer.base import LayoutMismatchError, TransferError
 from transfer.messages import PoolDescriptor
+from waiting import wait_until
 
 ray = pytest.importorskip("ray")
 
 BACKENDS = ["nixl", "ucx", "ray"]
 FAST = dict(timeout_s=5.0, lease_s=1.0)
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def start_ray() -> None:
-    # Workers import the project and these test helpers; UCX must stay on tcp here (no RDMA).
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"),
-                                                os.environ.get("PYTHONPATH", "")])
-    os.environ.setdefault("UCX_TLS", "tcp")
-    os.environ["UCX_WARN_UNUSED_ENV_VARS"] = "n"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    start_ray()
-    yield
-    ray.shutdown()
 
 
 class Engine:
@@ -125,7 +107,7 @@ def link(a, b) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def engines(request, kv):
+def engines(request, ray_cluster, kv):
     p, d = spawn(request.param, kv=kv), spawn(request.param)
     names = link(p, d)
     yield request.param, p, d, names
@@ -191,8 +173,17 @@ def test_a_killed_receiver_fails_the_sender_cleanly(engines) -> None:
     doomed = spawn(backend)
     p_name, doomed_name = link(p, doomed)
     ray.get(doomed.reserve.remote(p_name, 6, "req6"))
+    pid = ray.get(doomed.__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(doomed)
-    time.sleep(0.5)  # let the process go away
+    wait_until(lambda: not process_exists(pid), 10, what="the killed receiver's process gone")
     ray.get(p.push.remote(doomed_name, list(range(6)), "req6"))
     state, err = ray.get(p.finish.remote("req6"))
     assert state in ("failed", "timed_out") and doomed_name in err
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -2,17 +2,16 @@
 write/read, layout checks, aborts, timeouts and leases (local backend, and NIXL loopback)."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from test_transfer_support import blocks, model_kv, paged_pool, tiny_layout
+from kv_support import blocks, model_kv, paged_pool, tiny_layout
 from transfer import registry
 from transfer.base import LayoutMismatchError, TransferError, TransferState
 from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
 from transfer.registry import make_transport
 from transfer.runs import block_indices, block_runs, byte_runs
+from waiting import wait_until
 
 BACKENDS = ["local", "nixl", "ucx"]
 
@@ -96,10 +95,10 @@ def _pair(backend: str, layout_b=None, **kwargs):
 def wait_all(*pairs) -> None:
     """Progress every (transport, transfer) until all end: two-sided backends (ray, ucx) need
     the target to progress too, as its owner's loop does in an engine."""
-    deadline = time.monotonic() + 10
-    while not all([tr.poll(t).finished for tr, t in pairs]):
-        assert time.monotonic() < deadline, [t.state for _, t in pairs]
-        time.sleep(1e-3)
+    try:
+        wait_until(lambda: all([tr.poll(t).finished for tr, t in pairs]), 10, 1e-3)
+    except TimeoutError:
+        raise AssertionError([t.state for _, t in pairs]) from None
     for _, t in pairs:
         t.raise_if_failed()
 
@@ -149,9 +148,11 @@ def test_abort_ends_both_sides(pair) -> None:
     target = b.expect(a.name, "x1")
     b.abort(target, "request cancelled")
     t = a.write(b.name, [3], [0], transfer_id="x1")
-    deadline = time.monotonic() + 5
-    while a.poll(t) is TransferState.IN_FLIGHT and time.monotonic() < deadline:
+
+    def settled() -> bool:
         b.progress()
+        return a.poll(t) is not TransferState.IN_FLIGHT
+    wait_until(settled, 5, 0)
     # the initiator learns of the abort whichever came first, its DONE or the peer's ABORT
     assert target.state is TransferState.ABORTED
     assert t.state in (TransferState.ABORTED, TransferState.DONE)
@@ -163,9 +164,7 @@ def test_lease_expires_when_the_peer_stops_renewing() -> None:
     a, b = _pair("local", lease_s=0.2)
     b.connect(a.descriptor())
     target = b.expect(a.name, "quiet")   # a never writes nor renews: as if it had died
-    deadline = time.monotonic() + 5
-    while not b.poll(target).finished and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: b.poll(target).finished, 5, 0.02)
     assert target.state is TransferState.EXPIRED
     with pytest.raises(TransferError, match="stopped renewing its lease"):
         target.raise_if_failed()

@@ -1,7 +1,9 @@
-"""Tiny random Hugging Face checkpoints of each supported family, saved with transformers."""
+"""Tiny random Hugging Face checkpoints of each supported family, saved with transformers,
+and prompts of mixed lengths for them."""
 from __future__ import annotations
 
 import os
+import random
 import zlib
 
 import torch
@@ -40,3 +42,12 @@ def make_tiny_model(family: str, root: str) -> str:
     model = getattr(transformers, model_cls)(config)
     model.save_pretrained(path)
     return path
+
+
+def mixed_prompts(seed: int = 0) -> list[list[int]]:
+    """Mixed lengths; several share a 13-token or 26-token prefix with another prompt."""
+    rng = random.Random(seed)
+    rand = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731 (ids 0-2 special)
+    shared, longer = rand(13), rand(13)
+    return [shared + rand(9), rand(3), shared + longer + rand(5), rand(30), shared + rand(1),
+            shared + longer + rand(11), rand(17), rand(1)]
