@@ -25,17 +25,10 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.models import dummy_model_dir  # noqa: E402
 from bench.pd_bench import VOCAB, prompt, start_engines  # noqa: E402
+from pd_cluster.benchmark.diagnostics import stage_stats as _stats  # noqa: E402
 from pd_cluster.config import ModelConfig  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 from router.routing import Route  # noqa: E402
-
-
-def _stats(values: list[float]) -> dict:
-    v = sorted(values)
-    if not v:
-        return {}
-    return {"n": len(v), "p50_ms": round(v[len(v) // 2] * 1e3, 2),
-            "p90_ms": round(v[int(0.9 * (len(v) - 1))] * 1e3, 2), "max_ms": round(v[-1] * 1e3, 2)}
 
 
 async def _load(client, rate: float, seconds: float, prompt_len: int, new_tokens: int,
@@ -132,45 +125,6 @@ def _report(sent: dict, p: dict, d: dict, marks: list) -> dict:
             "errors": errors[:5], "num_errors": len(errors),
             "stages": {k: _stats(v) for k, v in stages.items()},
             "layer_post_lag": _stats(lags)}
-
-
-def actor_stages(p_rows: list, d_rows: list, since: float) -> dict:
-    """Stage percentiles of the requests P was called for after `since` (monotonic), from
-    the actors' own stamps alone (no client-side send times): what a sweep through HTTP can
-    see inside the engines."""
-    d = {r[0]: r[1:] for r in d_rows}
-    stages = {k: [] for k in ("queue_prefill", "destination", "transfer", "handoff", "landing")}
-    for rid, called, prefilled, dest, landed in p_rows:
-        if called < since:
-            continue
-        stages["queue_prefill"].append(prefilled - called)
-        stages["destination"].append(max(0.0, dest - prefilled))
-        stages["transfer"].append(landed - dest)
-        if rid in d:
-            stages["handoff"].append(d[rid][0] - landed)
-            stages["landing"].append(d[rid][1] - d[rid][0])
-    return {k: _stats(v) for k, v in stages.items()}
-
-
-def timeline(p_rows: list, step_log: list, since: float, compiled: list = ()) -> dict:
-    """P's raw timeline after `since`, in ms from it: each request's (called, prefilled, dest
-    known, KV landed) and each engine step's (began, ended, waiting, running); plus the time P's
-    engine sat between steps while a request it had been called for (2 ms earlier or more)
-    was not yet prefilled: time lost between the actor and its engine thread; and the Triton
-    kernels P compiled meanwhile (time, name)."""
-    ms = lambda t: round((t - since) * 1e3, 1)  # noqa: E731
-    reqs = [(ms(c), ms(p), ms(d), ms(k)) for _, c, p, d, k in p_rows if c >= since]
-    steps = [(ms(a), ms(b), w, r) for a, b, w, r in step_log if a >= since]
-    lost = []
-    for prev, nxt in zip(steps, steps[1:]):
-        stuck = [c for c, p, *_ in reqs if c < nxt[0] - 2.0 and p > nxt[0]]
-        if stuck:
-            lost.append(nxt[0] - max(prev[1], min(stuck)))
-    return {"requests": reqs, "steps": steps,
-            "busy_ms": round(sum(b - a for a, b, *_ in steps), 1),
-            "idle_while_waiting_ms": round(sum(x for x in lost if x > 0), 1),
-            "longest_idle_while_waiting_ms": round(max(lost, default=0.0), 1),
-            "kernel_compiles": [(ms(t), name) for t, name in compiled]}
 
 
 if __name__ == "__main__":

@@ -51,14 +51,14 @@ from ray import serve
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.serving_app import free_port, ingress_env, set_args  # noqa: E402
+from pd_cluster.benchmark.serving_runs import set_args  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
 from router.app import build_app, model_dir  # noqa: E402
 from router.app_config import AppConfig  # noqa: E402
 from router.routing import RoutingInputs, make_policy  # noqa: E402
+from router.serving_bench import APP, borrow_client, free_port, ingress_env  # noqa: E402
 
-APP = "pd"
 PROMPT = "The capital of France is"
 PATHS = ("http", "direct", "health", "ping")
 SERIES = ("http", "direct", "direct_first", "health", "ping")
@@ -113,38 +113,6 @@ def deploy(args: dict[str, Any], port: int, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the app is not running after {timeout_s:g} s ({status})")
         time.sleep(1)
-
-
-def _replica_client(replica: Any) -> Any:
-    """Runs in the router replica: the EngineClient its OpenAIServing calls, found by a walk
-    through attributes from the replica actor (no Serve internals named; gc.get_objects would
-    miss it, Serve freezes the startup objects); it comes back as a copy with the same handles."""
-    from router.serving import OpenAIServing
-    seen, frontier = set(), [replica]
-    for _ in range(8):
-        found = [o for o in frontier if isinstance(o, OpenAIServing)]
-        if found:
-            return found[0].client
-        nxt = []
-        for obj in frontier:
-            for value in getattr(obj, "__dict__", {}).values():
-                if id(value) not in seen and hasattr(value, "__dict__"):
-                    seen.add(id(value))
-                    nxt.append(value)
-        frontier = nxt
-    raise RuntimeError("no OpenAIServing found in the router replica")
-
-
-def borrow_client(timeout_s: float) -> Any:
-    """A copy of the router replica's EngineClient: its engine actors, called from here."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"SERVE_REPLICA::{APP}#")]
-    if len(names) != 1:
-        raise RuntimeError(f"expected one router replica, found {names}")
-    replica = ray.get_actor(names[0], namespace="serve")
-    if __name__ != "__main__":   # imported: the replica cannot import this file, so ship it
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return ray.get(replica.__ray_call__.remote(_replica_client), timeout=timeout_s)
 
 
 class HTTPPath:

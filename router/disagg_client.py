@@ -63,7 +63,8 @@ class DisaggregatedClient:
         self._tasks: set[asyncio.Task] = set()
         self._where: dict[str, tuple[str, Any, Any]] = {}  # id → (attempt id, P or None, D)
         # (attempt id, generate called, P's first token back) of recent requests, monotonic:
-        # with P's own stage stamps they say where a TTFT goes (bench/validate_diagnostics.py).
+        # with P's own stage stamps they say where a TTFT goes (pd_cluster/benchmark/
+        # diagnostics.py).
         self.stamps: collections.deque = collections.deque(maxlen=4096)
 
     def __getstate__(self) -> dict:

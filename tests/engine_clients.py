@@ -1,5 +1,5 @@
-"""Driving the router's engine clients (DisaggregatedClient, pooled or not) from a test, and
-reading what their engine actors did from the loads they report."""
+"""Driving the router's engine clients (DisaggregatedClient, pooled or not) and engine loops
+from a test, and reading what their engines did from the loads they report."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,6 +7,7 @@ from typing import Any
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.routing import Route
+from waiting import wait_until_async
 
 
 async def collect(client: Any, rid: str, prompt: list[int], params: SamplingParams, route: Route,
@@ -31,3 +32,16 @@ def prefilling(load: dict) -> bool:
     """The engine has run a prefill step and still runs a request: mid-prefill of a prompt
     longer than one step's token budget, when it was idle before."""
     return load["steps"]["prefill"]["steps"] >= 1 and load["num_running"] > 0
+
+
+def idle(load: dict) -> bool:
+    return load["num_running"] == load["num_waiting"] == load["kv_blocks_used"] == 0
+
+
+async def wait_loop_idle(loop: Any, timeout_s: float = 10.0) -> dict:
+    """An EngineLoop's load once nothing runs, waits or holds a block (the engine thread
+    refreshes it after each step)."""
+    try:
+        return await wait_until_async(lambda: idle(loop.load()) and loop.load(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"engine did not go idle: {loop.load()}") from None

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,9 @@ import ray
 import yaml
 from ray import serve
 
-from bench.serving_app import free_port, haproxy_wanted, ingress_env
+from ray_support import stop_shared_ray
+from router.serving_bench import free_port, haproxy_wanted, ingress_env
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
@@ -35,14 +36,15 @@ def _healthy(url: str) -> bool:
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not _healthy(url):
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"serve run exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no healthy server after {START_TIMEOUT_S} s:\n"
-                               f"{log.read_text()[-4000:]}")
-        time.sleep(2)
+        return _healthy(url)
+    try:
+        wait_until(healthy, START_TIMEOUT_S, 1.0)
+    except TimeoutError:
+        raise TimeoutError(f"no healthy server after {START_TIMEOUT_S} s:\n"
+                           f"{log.read_text()[-4000:]}") from None
 
 
 @contextlib.contextmanager
@@ -62,7 +64,8 @@ def _environ(updates: dict[str, str]) -> Iterator[None]:
 @contextlib.contextmanager
 def serve_run(args_overrides: dict) -> Iterator[str]:
     """URL of `serve run` on a temp copy of configs/pd.yaml (args updated), on a private local
-    Ray (2 CPUs) and a free loopback port; everything is stopped afterwards.
+    Ray (2 CPUs; the tests' shared Ray is stopped first) and a free loopback port; everything
+    is stopped afterwards.
 
     Ray starts with HAProxy ingress, as shipped (RAY_SERVE_ENABLE_HA_PROXY=0 in the
     environment: Serve's Python proxy instead), HAProxy's other listeners on free ports.
@@ -80,6 +83,7 @@ def _serve_run(args_overrides: dict) -> Iterator[str]:
     config = yaml.safe_load(SERVE_CONFIG.read_text())
     config["applications"][0]["args"].update(args_overrides)
     (work / "pd.yaml").write_text(yaml.safe_dump(config))
+    stop_shared_ray()       # the actor tests' Ray, if it runs: this one has its own settings
     ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="serve",
                    log_to_driver=False, _temp_dir=str(work / "ray"))
     port = free_port()

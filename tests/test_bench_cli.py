@@ -24,6 +24,7 @@ from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES,  # noq
 from pd_cluster.tuning.serving import MIN_STEPS, SCALE_RANGE, engine_seconds  # noqa: E402
 from serve_run import serve_run  # noqa: E402
 
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
 

@@ -2,8 +2,8 @@
 
 import json
 import os
+import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,7 @@ import torch
 
 from pd_cluster import default_model
 from pd_cluster.default_model import build_dir_once, default_model_path
+from waiting import wait_until
 
 
 def test_converted_dir_is_a_plain_float32_safetensors_model(default_model_dir: str) -> None:
@@ -110,7 +111,8 @@ def test_concurrent_callers_build_once(tmp_path: Path) -> None:
 
     def slow_build(tmp: Path) -> None:
         builds.append(1)
-        time.sleep(0.2)  # long enough for the other threads to reach the lock
+        # Build only once the other threads wait on the lock (blocked in _file_lock).
+        wait_until(lambda: _threads_in(threads, "_file_lock") == len(threads) - 1, 10, 0.01)
         _write_model(tmp)
 
     target = tmp_path / "model"
@@ -123,3 +125,10 @@ def test_concurrent_callers_build_once(tmp_path: Path) -> None:
     assert sorted(os.listdir(target)) == [
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
     ]
+
+
+def _threads_in(threads: list[threading.Thread], function: str) -> int:
+    """How many of `threads` are inside `function` now (it is their innermost Python frame)."""
+    frames = sys._current_frames()
+    return sum(1 for t in threads
+               if t.ident in frames and frames[t.ident].f_code.co_name == function)

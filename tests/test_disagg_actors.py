@@ -118,6 +118,7 @@ def test_32_concurrent_requests_with_shared_prefixes_complete(tiny):
         shutdown(client)
 
 
+@pytest.mark.slow      # the default model in P, D, the colocated engine and HF
 def test_default_model_disaggregated_equals_colocated_and_overlaps(default_model_dir):
     prompt = list(range(100, 700))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -167,6 +168,7 @@ def test_killed_decoder_with_no_spare_fails_clearly(tiny):
         shutdown(client)
 
 
+@pytest.mark.slow      # the default model in two P, D and the colocated engine
 def test_killed_prefillers_mid_prefill_fall_back_to_another_then_to_the_decoder(
         default_model_dir):
     """P0 dies mid-prefill: P1 takes the prompt over; P1 dies mid-prefill too: D prefills it

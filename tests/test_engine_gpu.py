@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from pd_cluster import LLM, SamplingParams
 from tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu       # skipped without CUDA (conftest.py)
 
 PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [3, 4], list(range(40, 140))]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

@@ -11,6 +11,7 @@ from actors.engine_loop import EngineLoop, RequestRejected
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.sampling_params import SamplingParams
+from engine_clients import wait_loop_idle
 from tiny_models import make_tiny_model
 
 PROMPTS = [[1, 5, 9, 33, 70, 2, 8], [4, 4, 100, 200, 300, 12, 17, 19, 21, 3, 90]]
@@ -40,16 +41,6 @@ async def collect(loop: EngineLoop, request_id: str, prompt: list[int],
     return [out async for out in loop.stream(request_id, prompt, params)]
 
 
-async def wait_idle(loop: EngineLoop) -> dict:
-    """The load once nothing runs; the engine thread refreshes it after each step."""
-    for _ in range(200):
-        load = loop.load()
-        if load["num_running"] == load["num_waiting"] == load["kv_blocks_used"] == 0:
-            return load
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"engine did not go idle: {loop.load()}")
-
-
 def test_concurrent_streams_match_the_engine_alone(loop: EngineLoop, config: EngineConfig):
     async def both():
         return await asyncio.gather(*[collect(loop, f"c{i}", p) for i, p in enumerate(PROMPTS)])
@@ -64,7 +55,7 @@ def test_concurrent_streams_match_the_engine_alone(loop: EngineLoop, config: Eng
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
         assert len(outs[-1].outputs[0].token_ids) == GREEDY.max_tokens
-    assert run(wait_idle(loop))["kv_blocks_total"] == 24
+    assert run(wait_loop_idle(loop))["kv_blocks_total"] == 24
 
 
 def test_consumer_that_stops_early_aborts_and_frees_kv(loop: EngineLoop):
@@ -72,7 +63,7 @@ def test_consumer_that_stops_early_aborts_and_frees_kv(loop: EngineLoop):
         stream = loop.stream("early", PROMPTS[0], GREEDY)
         got = [await anext(stream), await anext(stream)]
         await stream.aclose()
-        return got, await wait_idle(loop)
+        return got, await wait_loop_idle(loop)
 
     got, _ = run(stop_after_two())
     assert not got[-1].finished
@@ -92,7 +83,7 @@ def test_cancelled_consumer_aborts_and_frees_kv(loop: EngineLoop):
         task.cancel()               # right after the first output: 79 tokens still to go
         with pytest.raises(asyncio.CancelledError):
             await task
-        await wait_idle(loop)
+        await wait_loop_idle(loop)
 
     run(cancel_mid_stream())
 
@@ -105,7 +96,7 @@ def test_abort_ends_the_stream_with_reason_abort(loop: EngineLoop):
             outs.append(out)
             if len(outs) == 2:
                 loop.abort("aborted")
-        return outs, await wait_idle(loop)
+        return outs, await wait_loop_idle(loop)
 
     outs, _ = run(abort_mid_stream())
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
@@ -128,7 +119,7 @@ def test_duplicate_request_id_is_refused(loop: EngineLoop):
         with pytest.raises(RequestRejected, match="already in use"):
             await anext(loop.stream("dup", PROMPTS[0], GREEDY))
         await first.aclose()
-        await wait_idle(loop)
+        await wait_loop_idle(loop)
 
     run(twice())
 
@@ -140,7 +131,9 @@ def test_slow_consumer_gets_coalesced_outputs_with_all_deltas(loop: EngineLoop):
         outs = []
         async for out in loop.stream("slow", PROMPTS[0], params):
             outs.append(out)
-            await asyncio.sleep(0.05)    # slower than the engine's steps
+            # The behaviour under test: a consumer slower than the engine's steps (a few
+            # ms each), whose outputs the loop folds together while it is away.
+            await asyncio.sleep(0.05)
         return outs
     outs = run(slow())
     final = outs[-1]

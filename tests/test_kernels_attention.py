@@ -19,7 +19,7 @@ from kernels.reference import decode_attention_ref, paged_attention_ref  # noqa:
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
 TOL = 1e-4 if INTERPRETED else 2e-2
-gpu_only = pytest.mark.skipif(INTERPRETED, reason="real shapes need a CUDA GPU")
+# Real shapes need a CUDA GPU: those tests are marked gpu (skipped without one: conftest.py).
 
 
 def paged_kv(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
@@ -108,7 +108,7 @@ def test_empty_batches_launch_nothing():
     assert out.shape[0] == 0
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("batch", [24, 96])   # split (3 chunks), unsplit (direct output)
@@ -117,7 +117,7 @@ def test_decode_attention_at_real_shapes(block_size, head_dim, batch):
     check_decode(seq_lens, block_size, 32, 8, head_dim)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_prefill_attention_at_real_shapes(block_size, head_dim):

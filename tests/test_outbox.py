@@ -13,6 +13,7 @@ from actors.messages import StreamError
 from actors.outbox import Outbox
 from pd_cluster.config import EngineConfig
 from pd_cluster.sampling_params import SamplingParams
+from engine_clients import wait_loop_idle
 from tiny_models import make_tiny_model
 
 PROMPTS = [[1, 5, 9, 33, 70, 2, 8], [4, 4, 100, 200, 300, 12, 17, 19, 21, 3, 90], [7, 7, 7]]
@@ -32,15 +33,6 @@ def loop(tiny_model_root: str):
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def wait_idle(loop: EngineLoop) -> None:
-    for _ in range(200):
-        load = loop.load()
-        if load["num_running"] == load["num_waiting"] == load["kv_blocks_used"] == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"engine did not go idle: {loop.load()}")
 
 
 def test_one_stream_carries_all_requests_in_batches(loop: EngineLoop):
@@ -83,7 +75,7 @@ def test_subscriber_gone_aborts_its_requests(loop: EngineLoop):
         first = await anext(stream)
         assert first and first[0][0] == "long"
         await stream.aclose()                      # the router replica went away
-        await wait_idle(loop)
+        await wait_loop_idle(loop)
 
     run(go())
 

@@ -215,6 +215,7 @@ def test_killed_decoder_continues_on_another_and_frees_every_pool(ray_cluster, t
         shutdown(client)
 
 
+@pytest.mark.slow      # the default model in P, D and the colocated engine
 def test_default_model_pooled_equals_colocated(ray_cluster, default_model_dir):
     prompt = list(range(100, 300))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -17,6 +17,8 @@ from pd_cluster.cli import main
 from pd_cluster.tuning.profile import Profile
 
 MAX_MEAN_ERROR_PCT = 15.0
+# The profile takes most of a minute on 2 cores (more on a busy machine).
+profiled = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,7 @@ def profile_path(tmp_path_factory, default_model_dir: str) -> Path:
     return path
 
 
+@profiled
 def test_fit_predicts_held_back_points_within_15_percent(profile_path: Path):
     profile = Profile.load(profile_path)
     for model in (profile.prefill, profile.decode):
@@ -42,6 +45,7 @@ def test_fit_predicts_held_back_points_within_15_percent(profile_path: Path):
         assert all(c >= 0 for c in model.coef)
 
 
+@profiled
 def test_profile_file_records_machine_model_and_date(profile_path: Path, default_model_dir):
     data = json.loads(profile_path.read_text())
     assert data["machine"]["device"] == "cpu" and data["machine"]["cpu"]
@@ -55,6 +59,7 @@ def test_profile_file_records_machine_model_and_date(profile_path: Path, default
     assert len(data["prefill"]["samples"]) == 20 and len(data["decode"]["samples"]) == 20
 
 
+@profiled
 def test_longer_steps_cost_more(profile_path: Path):
     profile = Profile.load(profile_path)
     assert profile.prefill_time(512, 512 ** 2) > profile.prefill_time(64, 64 ** 2)

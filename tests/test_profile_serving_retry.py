@@ -16,6 +16,9 @@ from pd_cluster.benchmark.client import NO_TEXT, Endpoint
 from pd_cluster.tuning import serving
 
 
+pytestmark = pytest.mark.serve      # a stub HTTP server on a loopback port
+
+
 def _chunk(text: str) -> str:
     return "data: " + json.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": text}]}) + "\n\n"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import httpx2 as httpx
 import openai
@@ -19,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray")
 from serve_run import serve_run  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.serve
 ARGS_OVERRIDES: dict = {}   # the real configs/pd.yaml: disaggregated, 1 P + 1 D
 KEY_ENV, KEY = "PD_TEST_API_KEY", "sk-router-test"     # auth on, to test a wrong key
 FRANCE = "The capital of France is"
@@ -175,14 +176,18 @@ def test_64_streams_with_a_quarter_disconnecting_leave_nothing_behind(server: st
     assert all(reason in ("stop", "length") for reason in stayed), stayed
     hung_up = sum(left for _, left in results)
     assert hung_up >= 12
-    for _ in range(IDLE_WITHIN_S):
+    def idle() -> bool:
+        nonlocal metrics, busy
         metrics = metrics_of(server)
         busy = (replica_values(metrics, "pd_num_requests_running")
                 + replica_values(metrics, "pd_num_requests_waiting")
                 + replica_values(metrics, "pd_kv_blocks_used"))
-        if not any(busy):
-            break
-        time.sleep(1)
+        return not any(busy)
+    metrics, busy = {}, []
+    try:
+        wait_until(idle, IDLE_WITHIN_S, 0.5)
+    except TimeoutError:
+        pass            # the assertion says what is still busy
     assert not any(busy), busy
     usage = replica_values(metrics, "pd_kv_cache_usage_ratio")
     assert usage and set(usage) == {0.0}

@@ -1,32 +1,33 @@
-"""bench/serving_sweep.py on the CPU with the default model, as the GPU runs use it: `sweep`
-serves disaggregated 1P1D and one colocated engine, benches two rates on each and writes every
-field of sweep.json and a PNG; `validate` runs `pd-cluster tune` on a small CPU-like profile,
-serves its recommendation, benches it at the same rate and writes a consistent comparison.
+"""The serving benchmarks (`bench/serving_sweep.py`: pd_cluster/benchmark/sweep.py served
+through router/serving_bench.py) on the CPU with the default model, as the GPU runs use them:
+`sweep` serves disaggregated 1P1D and one colocated engine, benches two rates on each and
+writes every field of sweep.json and a PNG; `validate` runs `pd-cluster tune` on a small
+CPU-like profile, serves its recommendation, benches it at the same rate and writes a
+consistent comparison.
 
-Each served configuration takes 20-60 s to start on 2 cores; PD_SKIP_SLOW_TESTS=1 skips the
-two serving tests.
+Each served configuration takes 20-60 s to start on 2 cores: the two serving tests are marked
+slow (`-m "not slow"` leaves them out).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pd_cluster.benchmark.sweep import run, summary
+from pd_cluster.benchmark.diagnostics import PARTS, join_parts
+from pd_cluster.benchmark.serving_runs import RECORD_COLUMNS, Deployment, app_args
 from pd_cluster.tuning.profile import DECODE_FEATURES, PREFILL_FEATURES, LatencyModel, Profile
+from ray_support import stop_shared_ray
 from router.app_config import AppConfig
 
-from bench import serving_sweep
-from bench.serving_app import RECORD_COLUMNS, Deployment, app_args
-
 ROOT = Path(__file__).resolve().parents[1]
+SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-slow = pytest.mark.skipif(bool(os.environ.get("PD_SKIP_SLOW_TESTS")),
-                          reason="PD_SKIP_SLOW_TESTS is set")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 # Short requests and SLOs loose enough for a shared 2-core machine.
 LOAD = ["--input-len", "24", "--output-len", "6", "--ttft-slo", "5s", "--tpot-slo", "1s",
@@ -43,7 +44,7 @@ def test_configurations_translate_to_app_args():
     with pytest.raises(ValueError, match="disagg:P:D or colo:N"):
         Deployment.parse("pooled:1")
     args = app_args(["engine.dtype=bfloat16", "limits.max_queue=1024",
-                     "engine.max_model_len=4096"])
+                     "engine.max_model_len=4096"], SERVE_CONFIG)
     config = AppConfig.from_args(args)
     assert (config.engine.dtype, config.limits.max_queue, config.engine.max_model_len) == \
         ("bfloat16", 1024, 4096)
@@ -54,13 +55,23 @@ def records_of(point: dict) -> list[dict]:
     return [dict(zip(RECORD_COLUMNS, row)) for row in point["records"]]
 
 
-@slow
+def serving_bench(argv: list[str]) -> int:
+    """`bench/serving_sweep.py ARGV`, on local Rays of its own (the shared one stopped)."""
+    pytest.importorskip("ray")
+    from router.serving_bench import main
+
+    stop_shared_ray()
+    return main(argv, SERVE_CONFIG)
+
+
+@pytest.mark.slow
+@pytest.mark.serve
 def test_sweep_measures_every_rate_of_each_configuration(tmp_path: Path):
     out = tmp_path / "sweep"
-    serving_sweep.main(["sweep", "--configs", "disagg:1:1,colo:1", "--rates", "1,2",
-                        "--window", "3", "--settle", "0.5", "--stop-below", "0",
-                        "--budget-s", "3000", *LOAD,
-                        "-o", str(out)])
+    serving_bench(["sweep", "--configs", "disagg:1:1,colo:1", "--rates", "1,2",
+                   "--window", "3", "--settle", "0.5", "--stop-below", "0",
+                   "--budget-s", "3000", *LOAD,
+                   "-o", str(out)])
     result = json.loads((out / "sweep.json").read_text())
     assert result["command"].startswith("python3 bench/serving_sweep.py sweep")
     assert result["slo"] == {"ttft": 5.0, "tpot": 1.0, "percentile": 90.0}
@@ -145,15 +156,16 @@ def cpu_profile(tmp_path: Path) -> Path:
     return path
 
 
-@slow
+@pytest.mark.slow
+@pytest.mark.serve
 def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profile: Path):
     out = tmp_path / "validate"
-    serving_sweep.main(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "2",
-                        "--no-colocated",
-                        "--requests", "6", "--tune-requests", "50", *LOAD,
-                        "--ttft-slo", "2s", "--tpot-slo", "500ms",
-                        "--serving-overhead-lengths", "16,64", "--serving-load-requests", "6",
-                        "-o", str(out)])
+    serving_bench(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "2",
+                   "--no-colocated",
+                   "--requests", "6", "--tune-requests", "50", *LOAD,
+                   "--ttft-slo", "2s", "--tpot-slo", "500ms",
+                   "--serving-overhead-lengths", "16,64", "--serving-load-requests", "6",
+                   "-o", str(out)])
     result = json.loads((out / "validate.json").read_text())
     assert "errors" not in result, result["errors"]
     # The overhead was measured on the served config and tune reran with it.
@@ -210,7 +222,7 @@ def test_summary_interpolates_where_attainment_crosses_the_percentile():
     configs = [{"config": "disagg:1:1", "gpus": 2,
                 "points": [point(4, 1.0), point(8, 0.95), point(12, 0.75)]},
                {"config": "colo:2", "gpus": 2, "points": [point(4, 1.0), point(8, 0.5)]}]
-    result = serving_sweep.summary(configs, 90.0)
+    result = summary(configs, 90.0)
     disagg, colo = result["configs"]["disagg:1:1"], result["configs"]["colo:2"]
     assert disagg["max_rate_meeting_slo"] == 8 and colo["max_rate_meeting_slo"] == 4
     assert disagg["crossing_rate"] == pytest.approx(8 + 4 * 0.05 / 0.2)        # 9 req/s
@@ -229,12 +241,12 @@ def test_summary_marks_a_limit_no_rate_reached_as_a_lower_bound():
                 "goodput_per_gpu": attainment * rate / 2}
     configs = [{"config": "disagg:1:1", "gpus": 2, "points": [point(6, 1.0), point(10, 0.5)]},
                {"config": "colo:2", "gpus": 2, "points": [point(6, 1.0), point(14, 1.0)]}]
-    result = serving_sweep.summary(configs, 90.0)
+    result = summary(configs, 90.0)
     assert result["configs"]["colo:2"]["lower_bound"]
     assert not result["configs"]["disagg:1:1"]["lower_bound"]
     assert result["disagg_over_colocated"]["disagg:1:1 / colo:2"]["bound"] == "at most"
     configs[0]["points"].pop()          # disagg also stopped while still meeting them
-    assert serving_sweep.summary(configs, 90.0)["disagg_over_colocated"][
+    assert summary(configs, 90.0)["disagg_over_colocated"][
         "disagg:1:1 / colo:2"]["bound"].startswith("unknown")
 
 
@@ -253,8 +265,8 @@ def test_rejudge_applies_other_slos_to_the_same_requests(tmp_path: Path):
                          {"config": "colo:2", "gpus": 2, "points": [point(16, 2, 0.012)]}]}
     (tmp_path / "sweep.json").write_text(json.dumps(sweep))
     out = tmp_path / "tight" / "sweep_tpot10ms.json"
-    assert serving_sweep.main(["rejudge", str(tmp_path / "sweep.json"), "--tpot-slo", "10ms",
-                               "-o", str(out)]) == 0
+    assert run(["rejudge", str(tmp_path / "sweep.json"), "--tpot-slo", "10ms",
+                "-o", str(out)], None, SERVE_CONFIG) == 0
     result = json.loads(out.read_text())
     assert result["rejudged_from"]["file"] == "sweep.json"
     assert result["slo"]["tpot"] == pytest.approx(0.010)
@@ -270,7 +282,6 @@ def test_rejudge_applies_other_slos_to_the_same_requests(tmp_path: Path):
 
 
 def test_ttft_parts_join_bench_records_with_router_and_prefill_stamps():
-    from bench.validate_diagnostics import PARTS, join_parts
     records = [{"response_id": "cmpl-a", "start": 1.0, "ttft": 0.2, "ok": True},
                {"response_id": "cmpl-b", "start": 2.0, "ttft": 0.3, "ok": True},
                {"response_id": "cmpl-c", "start": 3.0, "ttft": None, "ok": False},

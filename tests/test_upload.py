@@ -23,7 +23,7 @@ def test_pack_then_unpack_keeps_each_array():
     assert_same(unpack(packed, ARRAYS, offsets))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_upload_many_to_the_gpu_keeps_each_array():
     tensors = upload_many(ARRAYS, torch.device("cuda"))
     assert all(t.is_cuda for t in tensors)

@@ -1,5 +1,6 @@
 """`validate`: `pd-cluster tune`'s recommendation at a rate against `pd-cluster bench` at that
-rate (see serving_sweep.py for the commands)."""
+rate, served through a harness (pd_cluster/benchmark/sweep.py; the commands are in
+bench/serving_sweep.py)."""
 from __future__ import annotations
 
 import argparse
@@ -13,16 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pd_cluster.cli import main as pd_cluster  # noqa: E402
-from pd_cluster.tuning.slo import SLO  # noqa: E402
-from pd_cluster.tuning.workload import Workload  # noqa: E402
-from bench.serving_app import (  # noqa: E402
-    app_args, bench, compact, Deployment, kv_capacity, lifetime, point_stats, quantile_name,
-    run_header, serving, slo_of, wait_idle, warm_up, whole_run, write_json)
-from bench.validate_diagnostics import pcts, replay, ttft_parts  # noqa: E402
+from pd_cluster.benchmark.diagnostics import pcts, replay
+from pd_cluster.benchmark.serving_runs import (
+    Deployment, app_args, bench, compact, kv_capacity, lifetime, point_stats, quantile_name,
+    run_header, slo_of, wait_idle, warm_up, whole_run, write_json)
+from pd_cluster.cli import main as pd_cluster
+from pd_cluster.tuning.slo import SLO
+from pd_cluster.tuning.workload import Workload
 
 VALIDATE_DEFINITIONS = {
     "percentiles": "numpy percentiles over the measured requests, in the simulator and here",
@@ -47,12 +45,11 @@ VALIDATE_DEFINITIONS = {
 
 def validate(opts: argparse.Namespace) -> int:
     from pd_cluster.tuning.profile import Profile
-    from router.app_config import AppConfig
 
     profile = Profile.load(opts.profile)
-    slo, base = slo_of(opts), app_args(opts.set)
+    slo, base = slo_of(opts), app_args(opts.set, opts.config_path)
     opts.timeout = opts.timeout or 2 * lifetime(opts, slo) + 5
-    engine = AppConfig.from_args(base).engine
+    engine = opts.harness.app_engine(base)
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {**run_header(opts, base, slo), "profile": Path(opts.profile).name,
@@ -62,7 +59,7 @@ def validate(opts: argparse.Namespace) -> int:
     while todo:                                     # each recommended config started once
         dep, predictions = todo.pop(0)
         try:
-            with serving({**base, **dep.args()}, opts) as url:
+            with opts.harness.serving({**base, **dep.args()}, opts) as url:
                 capacity = kv_capacity(url, engine.block_size)
                 warm_up(url, opts)
                 if opts.serving_overhead_lengths and profile.serving_overhead is None:
@@ -193,7 +190,8 @@ def measure_like_tune(url: str, opts: argparse.Namespace, slo: SLO, rate: float,
             "serving_path_ms": pcts(1e3 * np.array([r["ttft"] - r["engine_ttft"] for r in ok
                                                     if r.get("engine_ttft") is not None]))
             or None,
-            "ttft_parts": ttft_parts(report, since, slice(pad, pad + opts.requests))}, report
+            "ttft_parts": opts.harness.ttft_parts(report, since,
+                                                  slice(pad, pad + opts.requests))}, report
 
 
 def compare_replay(replayed: dict, measured: dict, tolerance: float, slo: SLO) -> dict:
@@ -238,6 +236,3 @@ def diagnose(predicted: dict, measured: dict, profile) -> dict:
             "how": "batch = rate x mean (e2e - TTFT) / decode instances; profile step = "
                    "decode_time(batch, batch x (prompt + output / 2)); served step = mean "
                    "(e2e - TTFT) / (output - 1)"}
-
-
-# -- shared -----------------------------------------------------------------------------------

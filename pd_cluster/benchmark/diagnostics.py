@@ -1,11 +1,16 @@
-"""What `serving_sweep.py validate` adds to a measured point to say why it differs from tune.
+"""Where a served request's time goes, from the engine actors' own stamps: the reductions
+behind the serving benchmarks' diagnostics (`bench/serving_sweep.py`, `bench/disagg_probe.py`).
+The stamps are fetched from the actors by router/serving_bench.py; everything here is plain
+data in, numbers out.
 
-- `ttft_parts`: each measured request's TTFT cut at the router's and the prefill actor's own
-  stamps, joined by the server's response id (the attempt id is `<response id>-0`). Every
+- `ttft_parts_of`: each measured request's TTFT cut at the router's and the prefill actor's
+  own stamps, joined by the server's response id (the attempt id is `<response id>-0`). Every
   stamp is CLOCK_MONOTONIC of one host: bench's `records_clock_origin` + `start` is the send.
 - `replay`: the simulator run on the arrivals and lengths bench actually sent (warm-up and
   cool-down included), so that a prediction and a measurement share one trace and differ
   only by the model, not by which Poisson draw each of them got.
+- `actor_stages`, `timeline`: stage percentiles and P's raw timeline of a run
+  (bench/disagg_probe.py's stages).
 """
 from __future__ import annotations
 
@@ -26,25 +31,15 @@ PART_DEFINITIONS = {
 }
 
 
-def ttft_parts(report: dict, since: float, measured: slice) -> dict | None:
+def ttft_parts_of(report: dict, measured: slice, router_stamps: list,
+                  prefill_rows: list[list], diagnostics: list[dict]) -> dict:
     """Percentiles (ms) of each part of the measured requests' TTFT, their rows, and P's
-    engine steps over the run; None when the server has no prefill actors."""
-    try:
-        import ray
-
-        from bench.router_overhead import borrow_client
-        client = borrow_client(30.0)    # a copy, with the router's stamps as of now
-        prefill = list(getattr(client, "prefill", []) or [])
-        if not prefill:
-            return None
-        rows = ray.get([p.stage_times.remote() for p in prefill], timeout=30)
-        diag = ray.get([p.diagnostics.remote(since) for p in prefill], timeout=30)
-    except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the measured point
-        return {"error": repr(e)[:300]}
-    p_stamps = {r[0]: r[1:] for actor_rows in rows for r in actor_rows}
+    engine steps over the run: from bench's `report`, the router client's `stamps` and each
+    prefill actor's `stage_times()` rows and `diagnostics(since)`."""
+    p_stamps = {r[0]: r[1:] for actor_rows in prefill_rows for r in actor_rows}
     ms = join_parts(report["records"][measured], report.get("records_clock_origin"),
-                    {r[0]: r[1:] for r in client.stamps}, p_stamps) * 1e3
-    steps = [b - a for d in diag for a, b, *_ in d.get("step_log", [])]
+                    {r[0]: r[1:] for r in router_stamps}, p_stamps) * 1e3
+    steps = [b - a for d in diagnostics for a, b, *_ in d.get("step_log", [])]
     return {"joined": len(ms), "of": len(report["records"][measured]),
             "definitions": PART_DEFINITIONS,
             "ms": {name: pcts(ms[:, k]) for k, name in enumerate(PARTS)},
@@ -104,3 +99,51 @@ def pcts(x: np.ndarray) -> dict:
     p10, p50, p90 = np.percentile(x, [10, 50, 90])
     return {"mean": round(float(x.mean()), 2), "p10": round(float(p10), 2),
             "p50": round(float(p50), 2), "p90": round(float(p90), 2)}
+
+
+def stage_stats(values: list[float]) -> dict:
+    """n, p50, p90 and max (ms) of durations in seconds."""
+    v = sorted(values)
+    if not v:
+        return {}
+    return {"n": len(v), "p50_ms": round(v[len(v) // 2] * 1e3, 2),
+            "p90_ms": round(v[int(0.9 * (len(v) - 1))] * 1e3, 2), "max_ms": round(v[-1] * 1e3, 2)}
+
+
+def actor_stages(p_rows: list, d_rows: list, since: float) -> dict:
+    """Stage percentiles of the requests P was called for after `since` (monotonic), from
+    the actors' own stamps alone (no client-side send times): what a sweep through HTTP can
+    see inside the engines."""
+    d = {r[0]: r[1:] for r in d_rows}
+    stages = {k: [] for k in ("queue_prefill", "destination", "transfer", "handoff", "landing")}
+    for rid, called, prefilled, dest, landed in p_rows:
+        if called < since:
+            continue
+        stages["queue_prefill"].append(prefilled - called)
+        stages["destination"].append(max(0.0, dest - prefilled))
+        stages["transfer"].append(landed - dest)
+        if rid in d:
+            stages["handoff"].append(d[rid][0] - landed)
+            stages["landing"].append(d[rid][1] - d[rid][0])
+    return {k: stage_stats(v) for k, v in stages.items()}
+
+
+def timeline(p_rows: list, step_log: list, since: float, compiled: list = ()) -> dict:
+    """P's raw timeline after `since`, in ms from it: each request's (called, prefilled, dest
+    known, KV landed) and each engine step's (began, ended, waiting, running); plus the time P's
+    engine sat between steps while a request it had been called for (2 ms earlier or more)
+    was not yet prefilled: time lost between the actor and its engine thread; and the Triton
+    kernels P compiled meanwhile (time, name)."""
+    ms = lambda t: round((t - since) * 1e3, 1)  # noqa: E731
+    reqs = [(ms(c), ms(p), ms(d), ms(k)) for _, c, p, d, k in p_rows if c >= since]
+    steps = [(ms(a), ms(b), w, r) for a, b, w, r in step_log if a >= since]
+    lost = []
+    for prev, nxt in zip(steps, steps[1:]):
+        stuck = [c for c, p, *_ in reqs if c < nxt[0] - 2.0 and p > nxt[0]]
+        if stuck:
+            lost.append(nxt[0] - max(prev[1], min(stuck)))
+    return {"requests": reqs, "steps": steps,
+            "busy_ms": round(sum(b - a for a, b, *_ in steps), 1),
+            "idle_while_waiting_ms": round(sum(x for x in lost if x > 0), 1),
+            "longest_idle_while_waiting_ms": round(max(lost, default=0.0), 1),
+            "kernel_compiles": [(ms(t), name) for t, name in compiled]}

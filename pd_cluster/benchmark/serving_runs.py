@@ -1,48 +1,36 @@
-"""Serving a configuration for the serving benchmarks, and measuring it: start and stop the
-real application on a local Ray, scrape its /metrics, run `pd-cluster bench` at a rate and
-reduce its per-request records. Used by serving_sweep.py and serving_validate.py."""
+"""Measuring a served configuration for the serving benchmarks (`bench/serving_sweep.py`,
+`router/serving_bench.py`): the app's args with overrides, its /metrics scraped, `pd-cluster
+bench` run at a rate and its per-request records reduced. No Ray here: serving the app on a
+local Ray is router/serving_bench.py's part."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pd_cluster.benchmark.client import RequestRecord  # noqa: E402
-from pd_cluster.benchmark.metrics import summarize  # noqa: E402
-from pd_cluster.cli import main as pd_cluster  # noqa: E402
-from pd_cluster.tuning.slo import SLO  # noqa: E402
-from pd_cluster.tuning.workload import Workload  # noqa: E402
-from router.app import HAPROXY_INGRESS_ENV  # noqa: E402
+from pd_cluster.benchmark.client import RequestRecord
+from pd_cluster.benchmark.metrics import summarize
+from pd_cluster.cli import main as pd_cluster
+from pd_cluster.tuning.slo import SLO
+from pd_cluster.tuning.workload import Workload
 
 RECORD_COLUMNS = ("index", "start", "ok", "prompt_tokens", "output_tokens", "ttft", "tpot",
                   "e2e", "met_slo")
 SHUTDOWN_S = 20.0           # stopping Serve and Ray, and the GPUs' memory coming back
-# HAProxy's own listeners, on fixed ports by default (metrics 9101, stats 8404, the head's
-# fallback Serve proxy 8500) that another Ray cluster on the host may hold.
-HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
-                     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
-# A replica behind HAProxy stays up at least this long when stopped (default 30 s), for load
-# balancers to let go of it; nothing needs that of a private cluster being torn down.
-DRAINING_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """A configuration under test: P prefill + D decode replicas, or D colocated engines."""
@@ -72,10 +60,11 @@ class Deployment:
             f"disagg:{self.num_prefill}:{self.num_decode}"
 
 
-def app_args(overrides: list[str]) -> dict:
-    """configs/pd.yaml's `args` with KEY=YAML overrides (dotted keys reach nested ones)."""
-    return set_args(yaml.safe_load((ROOT / "configs" / "pd.yaml").read_text())
-                    ["applications"][0]["args"], overrides)
+def app_args(overrides: list[str], config_path: str | Path) -> dict:
+    """A Serve config's (configs/pd.yaml's) first application's `args` with KEY=YAML
+    overrides (dotted keys reach nested ones)."""
+    return set_args(yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"],
+                    overrides)
 
 
 def set_args(args: dict, overrides: list[str]) -> dict:
@@ -96,30 +85,8 @@ def set_args(args: dict, overrides: list[str]) -> dict:
     return args
 
 
-# -- serving one configuration ----------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def haproxy_wanted() -> bool:
-    """HAProxy ingress, as shipped, unless RAY_SERVE_ENABLE_HA_PROXY=0 asks for Serve's proxy."""
-    return os.environ.get(HAPROXY_INGRESS_ENV, "1") == "1"
-
-
-def ingress_env(haproxy: bool) -> dict[str, str]:
-    """Environment for a private local Ray cluster: HAProxy ingress on, with its listeners on
-    free ports so that it starts beside another cluster's, and stopping without the drain
-    period; or off (Serve's Python proxy)."""
-    if not haproxy:
-        return {HAPROXY_INGRESS_ENV: "0"}
-    return {HAPROXY_INGRESS_ENV: "1", **DRAINING_ENV,
-            **{k: str(free_port()) for k in HAPROXY_PORT_ENVS}}
-
-
-def _get(url: str, timeout: float = 30.0) -> str | None:
+def get_text(url: str, timeout: float = 30.0) -> str | None:
+    """The body of a 200 answer to GET `url`; None for any other answer or no answer."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.read().decode() if resp.status == 200 else None
@@ -127,69 +94,12 @@ def _get(url: str, timeout: float = 30.0) -> str | None:
         return None
 
 
-@contextlib.contextmanager
-def serving(args: dict, opts: argparse.Namespace) -> Iterator[str]:
-    """URL of the application built from `args` on a private local Ray; stopped afterwards."""
-    import ray
-    from ray import serve
-
-    from router.app import build_app
-
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                        ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(name, value)          # the engines inherit them through Ray
-    os.environ.update(ingress_env(haproxy_wanted()))    # Serve reads them when Ray starts
-    work = Path(tempfile.mkdtemp(prefix="pdsw", dir="/tmp"))     # short: Ray's socket paths
-    ray.init(address="local", num_cpus=opts.num_cpus, num_gpus=opts.num_gpus,
-             include_dashboard=False, namespace="serve", log_to_driver=False,
-             _temp_dir=str(work))
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run_many([serve.RunTarget(build_app(args), name="pd", route_prefix="/")],
-                       wait_for_applications_running=False)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + opts.start_timeout
-        while _get(f"{url}/health", timeout=5) is None:
-            app = serve.status().applications.get("pd")
-            if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-                raise RuntimeError(f"the application failed to start: {app.message}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no healthy application after {opts.start_timeout} s")
-            time.sleep(1)
-        yield url
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        keep = os.environ.get("PD_BENCH_KEEP_LOGS")    # a directory: Ray's logs go there
-        if keep:
-            with contextlib.suppress(OSError):
-                shutil.copytree(work / "session_latest" / "logs", Path(keep) / work.name,
-                                dirs_exist_ok=True)
-        shutil.rmtree(work, ignore_errors=True)
-        _wait_gpus_free()
-
-
-def _wait_gpus_free(timeout: float = 60.0) -> None:
-    """Until the engines' processes have given their GPU memory back (when nvidia-smi exists)."""
-    deadline = time.monotonic() + timeout
-    while shutil.which("nvidia-smi") and time.monotonic() < deadline:
-        used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                               "--format=csv,noheader,nounits"], capture_output=True,
-                              text=True).stdout.split()
-        if all(float(v) < 2048 for v in used):
-            return
-        time.sleep(1)
-
-
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """The router's /metrics as {(sample name, sorted labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
     for _ in range(3):
-        text = _get(f"{url}/metrics")
+        text = get_text(f"{url}/metrics")
         if text is not None:
             return {(s.name, tuple(sorted(s.labels.items()))): s.value
                     for family in text_string_to_metric_families(text) for s in family.samples}
@@ -219,7 +129,7 @@ def kv_capacity(url: str, block_size: int) -> dict[str, int]:
             for (name, ls), used in m.items() if name == "pd_kv_blocks_used"}
 
 
-# -- one load run and its numbers -------------------------------------------------------------
+# -- one load run and its numbers -----------------------------------------------------------------
 
 def bench(url: str, opts: argparse.Namespace, load: list[str], n: int, seed: int) -> dict:
     """`pd-cluster bench` with `load` (e.g. --rate 4); its JSON report, records included.
@@ -314,4 +224,3 @@ def run_header(opts: argparse.Namespace, args: dict, slo: SLO) -> dict:
 
 def write_json(result: dict, path: Path) -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
-
