@@ -20,7 +20,8 @@ pytest.importorskip("ray")
 from serve_run import serve_run  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
-pytestmark = pytest.mark.serve
+# The server takes 20-30 s to start on 2 cores: out of the quick run (-m "not slow").
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
 ARGS_OVERRIDES: dict = {}   # the real configs/pd.yaml: disaggregated, 1 P + 1 D
 KEY_ENV, KEY = "PD_TEST_API_KEY", "sk-router-test"     # auth on, to test a wrong key
 FRANCE = "The capital of France is"
