@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
-from pd_cluster.block_pool import prefix_block_hashes
+from pd_cluster.block_allocator import prefix_block_hashes
 
 Key = Hashable  # a prefix block hash (int or bytes), or a RequestKey
 
@@ -51,7 +51,7 @@ class BlockIndex:
         """Up to n blocks, evicting unpinned cached blocks (oldest first) when none are free."""
         while len(self.free_ids) < n and self._evict_one():
             pass
-        # Ascending, so neighbours merge into one transfer descriptor (see BlockPool.allocate).
+        # Ascending, so neighbours merge into one transfer descriptor (see BlockAllocator.allocate).
         taken, self.free_ids = sorted(self.free_ids[:n]), self.free_ids[n:]
         return taken
 

@@ -33,16 +33,16 @@ class DecodeGraphs:
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.out = torch.zeros(max_batch, hidden_size, dtype=kv_cache.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        pool = None
-        for bs in sorted(capture_sizes(max_batch), reverse=True):  # largest first: shared pool
+        mempool = None
+        for bs in sorted(capture_sizes(max_batch), reverse=True):  # largest first: one memory pool
             ctx = ForwardContext(self._meta(bs), kv_cache, backend)
             with ops.choosing_gemm_kernels():   # warm-up: compile, and pick each GEMM's kernel
                 self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)
                 model.compute_logits(self.out[:bs])   # the step's lm_head, outside the graph
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
+            with torch.cuda.graph(graph, mempool):
                 self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)
-            pool = graph.pool()
+            mempool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(dev)
         self.sizes = sorted(self.graphs)

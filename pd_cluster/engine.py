@@ -61,7 +61,7 @@ class LLMEngine:
         budget = self.scheduler.max_num_batched_tokens
         vocab = self.model_cfg.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        # Each fits the context and half the pool (a small pool, a short context).
+        # Each fits the context and half the KV cache (a small one, a short context).
         room = min(self.max_model_len, self.kv.num_blocks * self.config.block_size // 2) - 8
         lengths = [min(n, room) for n in (budget + 1, budget // 2 + 3, 33, 17, 5)]
         for n, length in enumerate(lengths):
@@ -70,7 +70,7 @@ class LLMEngine:
             self.step()
         while self.has_unfinished():
             self.step()
-        self.kv.pool.reset_prefix_cache()
+        self.kv.allocator.reset_prefix_cache()
         self.scheduler.stats = SchedulerStats()
 
     @property
@@ -104,7 +104,7 @@ class LLMEngine:
         """Decode side: take a request whose prompt KV another engine will write.
 
         Returns (request id, block ids for the whole prompt, prompt tokens already cached
-        here), or None when the KV pool has no room for it now.
+        here), or None when the KV cache has no room for it now.
         """
         req = self._new_request(prompt, params, request_id)
         num_cached = self.scheduler.reserve(req)
@@ -139,7 +139,7 @@ class LLMEngine:
                                      min_tokens=min(params.min_tokens, room))
         need = self.kv.blocks_needed(len(token_ids) + params.max_tokens)
         if need > self.kv.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks but the pool has "
+            raise ValueError(f"request needs {need} KV blocks but the KV cache has "
                              f"{self.kv.num_blocks}; lower max_tokens or enlarge the KV cache")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
@@ -181,7 +181,7 @@ class LLMEngine:
         Async scheduling: the step launched here runs on the device while the host records
         the previous step's tokens, checks stops, builds outputs and (next call) plans again.
         A request that stopped in the previous step has one wasted token computed in this one;
-        its blocks return to the pool once that write is done. A step watched by a listener
+        its blocks return to the allocator once that write is done. A step watched by a listener
         (the prefill side, which pushes KV per layer) is reported before returning.
         """
         began = time.perf_counter()

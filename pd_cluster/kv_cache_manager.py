@@ -1,32 +1,32 @@
 """Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching, release.
 
-The scheduler sees only this class; the block pool's internals stay behind it.
+The scheduler sees only this class; the block allocator's internals stay behind it.
 """
 from __future__ import annotations
 
-from pd_cluster.block_pool import Block, BlockPool, hash_block
+from pd_cluster.block_allocator import Block, BlockAllocator, hash_block
 from pd_cluster.request import Request
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.allocator = BlockAllocator(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         # Requests whose blocks a launched step may still be writing (count of such steps), and
-        # blocks freed meanwhile: they return to the pool only once those steps are done, so a
+        # blocks freed meanwhile: they return to the allocator only once those steps are done, so a
         # late write can never land in a block that has a new owner.
         self._writing: dict[str, int] = {}
         self._deferred: dict[str, list[Block]] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        return self.allocator.num_free
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        return self.allocator.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -42,7 +42,7 @@ class KVCacheManager:
         for start in range(0, (len(tokens) - 1) // bs * bs, bs):
             chunk = tokens[start:start + bs]
             parent = hash_block(parent, chunk)
-            block = self.pool.lookup(parent, chunk)
+            block = self.allocator.lookup(parent, chunk)
             if block is None:
                 break
             hits.append(block)
@@ -55,25 +55,25 @@ class KVCacheManager:
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
         # Cached blocks sitting in the free queue are about to be revived, not available.
         revived = sum(1 for b in cached if b.ref_count == 0)
-        return need <= self.pool.num_free - revived
+        return need <= self.allocator.num_free - revived
 
     def allocate(self, request: Request, num_new_tokens: int,
                  cached: list[Block] | None = None) -> None:
         """Give the request blocks for `num_new_tokens` more tokens (call can_allocate first)."""
         blocks = self._blocks.setdefault(request.request_id, [])
         if cached:
-            self.pool.touch(cached)
+            self.allocator.touch(cached)
             blocks.extend(cached)
             request.block_ids.extend(b.block_id for b in cached)
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(blocks)
         if need > 0:
-            new = self.pool.allocate(need)
+            new = self.allocator.allocate(need)
             blocks.extend(new)
             request.block_ids.extend(b.block_id for b in new)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Index every block whose tokens are now all computed, chaining hashes."""
-        if not self.pool.enable_prefix_caching:
+        if not self.allocator.enable_prefix_caching:
             return
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
@@ -84,7 +84,7 @@ class KVCacheManager:
         for i in range(len(hashes), min(full, len(blocks))):
             chunk = request.token_slice(i * bs, (i + 1) * bs)
             hashes.append(hash_block(hashes[-1] if hashes else None, chunk))
-            self.pool.cache(blocks[i], hashes[-1], chunk)
+            self.allocator.cache(blocks[i], hashes[-1], chunk)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so a prefix outlives its suffix in cache."""
@@ -95,7 +95,7 @@ class KVCacheManager:
         if rid in self._writing:
             self._deferred.setdefault(rid, []).extend(blocks)
         else:
-            self.pool.release(blocks)
+            self.allocator.release(blocks)
 
     def step_launched(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -108,4 +108,4 @@ class KVCacheManager:
             if left:
                 self._writing[rid] = left
             elif rid in self._deferred:
-                self.pool.release(self._deferred.pop(rid))
+                self.allocator.release(self._deferred.pop(rid))

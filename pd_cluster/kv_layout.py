@@ -1,4 +1,4 @@
-"""The shape of an engine's KV pool: what two engines must agree on to exchange blocks."""
+"""The shape of an engine's KV cache: what two engines must agree on to exchange blocks."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -40,7 +40,8 @@ class KVLayout:
         return torch.zeros(self.shape, dtype=self.torch_dtype, device=device)
 
     def mismatch(self, other: "KVLayout") -> str | None:
-        """Why blocks cannot move between the two pools (None if they can); pool sizes may differ."""
+        """Why blocks cannot move between the two KV caches (None if they can); their sizes
+        may differ."""
         mine, theirs = asdict(self), asdict(other)
         diffs = [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine
                  if k != "num_blocks" and mine[k] != theirs[k]]

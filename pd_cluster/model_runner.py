@@ -1,4 +1,4 @@
-"""Owns the model, the KV pool and the sampler; launches one scheduled step.
+"""Owns the model, the KV cache and the sampler; launches one scheduled step.
 
 Per step: flatten the scheduled tokens, build the attention metadata (positions, slot mapping,
 block tables, lengths), run the model, take the hidden state of each sequence that samples,

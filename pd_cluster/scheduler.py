@@ -1,7 +1,7 @@
 """Continuous batching under a per-step token budget: decodes first, then chunked prefills.
 
 Every request is "N tokens known, C computed"; a step computes some of the N - C. A decode is
-the case N - C == 1. When the pool runs dry, the most recently admitted running request is
+the case N - C == 1. When the KV cache runs dry, the most recently admitted running request is
 preempted: its blocks are freed and it is recomputed later from prompt + generated tokens.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Scheduler:
     def reserve(self, req: Request) -> int | None:
         """Decode side: allocate blocks for the whole prompt and park the request until its KV
         arrives. Returns how many prompt tokens this engine already has cached (the sender
-        skips those), or None when the pool cannot take the request now."""
+        skips those), or None when the KV cache cannot take the request now."""
         cached, num_cached = self.kv.find_cached_prefix(req)
         req.num_computed_tokens = num_cached
         if not self.kv.can_allocate(req, req.num_tokens - num_cached, cached):

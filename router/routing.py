@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pd_cluster.block_pool import prefix_block_hashes
+from pd_cluster.block_allocator import prefix_block_hashes
 
 PREFILL, DECODE = "prefill", "decode"
 # Prefix record size per replica until the replica has reported its KV pool size.

@@ -69,7 +69,7 @@ def test_warm_up_leaves_no_trace(tiny_model_root):
     engine.warm_up()
     assert not engine.has_unfinished() and not engine.scheduler.requests
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert not engine.kv.pool._by_hash
+    assert not engine.kv.allocator._by_hash
     assert engine.scheduler.stats.prefix_queries == engine.scheduler.stats.prefix_hits == 0
     assert ([o.outputs[0].token_ids for o in warmed.generate(prompts, greedy)]
             == [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy)])

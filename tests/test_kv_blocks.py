@@ -1,5 +1,5 @@
-"""Block pool and KV cache manager: prefix caching, verification, eviction, accounting."""
-from pd_cluster.block_pool import BlockPool, hash_block, prefix_block_hashes
+"""Block allocator and KV cache manager: prefix caching, verification, eviction, accounting."""
+from pd_cluster.block_allocator import BlockAllocator, hash_block, prefix_block_hashes
 from pd_cluster.kv_cache_manager import KVCacheManager
 from pd_cluster.request import Request
 from pd_cluster.sampling_params import SamplingParams
@@ -40,11 +40,11 @@ def test_prefix_hit_reuses_blocks_but_never_covers_last_token():
 
 
 def test_hash_hit_with_different_tokens_is_rejected():
-    pool = BlockPool(4)
-    [block] = pool.allocate(1)
-    pool.cache(block, 1234, [1, 2, 3, 4])
-    assert pool.lookup(1234, [1, 2, 3, 4]) is block
-    assert pool.lookup(1234, [1, 2, 3, 5]) is None  # a collision must not be served
+    allocator = BlockAllocator(4)
+    [block] = allocator.allocate(1)
+    allocator.cache(block, 1234, [1, 2, 3, 4])
+    assert allocator.lookup(1234, [1, 2, 3, 4]) is block
+    assert allocator.lookup(1234, [1, 2, 3, 5]) is None  # a collision must not be served
 
 
 def test_eviction_is_lazy_lru_and_tail_first():
@@ -83,7 +83,7 @@ def test_reused_blocks_come_back_as_one_ascending_run():
     (as the manager frees) and reused stays contiguous: one KV transfer descriptor per layer
     instead of one per block."""
     kv = KVCacheManager(num_blocks=60, block_size=4)
-    for i in range(10):                       # wraps the pool around twice
+    for i in range(10):                       # wraps the free queue around twice
         req = _req(f"r{i}", range(100 * i, 100 * i + 60))   # 15 blocks
         _run_prefill(kv, req)
         ids = req.block_ids
@@ -94,20 +94,20 @@ def test_reused_blocks_come_back_as_one_ascending_run():
 def test_reservations_stay_contiguous_when_growth_blocks_interleave():
     """A decode engine's pattern: each request reserves its prompt's blocks at once, then
     grows one block at a time interleaved with the others, and frees tail first. Long after
-    the pool has wrapped around, reservations still come as about one run of blocks."""
+    the free queue has wrapped around, reservations still come as about one run of blocks."""
     import random
-    pool, rng = BlockPool(400), random.Random(0)
+    allocator, rng = BlockAllocator(400), random.Random(0)
     running, runs = [], []
     for step in range(3000):
         if rng.random() < 0.25:
-            blocks = pool.allocate(20)
+            blocks = allocator.allocate(20)
             ids = [b.block_id for b in blocks]
             runs.append(1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])))
             running.append([blocks, rng.choice([4, 8, 12])])
         for r in list(running):
-            r[0] += pool.allocate(1)
+            r[0] += allocator.allocate(1)
             r[1] -= 1
             if r[1] == 0:
                 running.remove(r)
-                pool.release(r[0][::-1])
+                allocator.release(r[0][::-1])
     assert len(runs) > 400 and sum(runs[-200:]) / 200 < 2.0, runs[-20:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_cluster.block_pool import prefix_block_hashes
+from pd_cluster.block_allocator import prefix_block_hashes
 from router.app_config import ROUTING_POLICIES
 from router.routing import (DECODE, PREFILL, KvAwarePolicy, ReplicaLoad, Route, RoutingInputs,
                             make_policy)

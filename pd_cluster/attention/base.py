@@ -5,7 +5,7 @@ Paged KV layout (one tensor for the whole engine, see `pd_cluster.kv_layout`):
     kv_cache[layer, 0] = K cache   [num_blocks, block_size, num_kv_heads, head_dim]
     kv_cache[layer, 1] = V cache   [num_blocks, block_size, num_kv_heads, head_dim]
 
-Token slot `s` of the pool lives at block `s // block_size`, offset `s % block_size`.
+Token slot `s` of the KV cache lives at block `s // block_size`, offset `s % block_size`.
 
 A forward pass runs over a flattened batch of tokens from several sequences. The scheduler
 puts decodes first, so the first `num_decodes` sequences each contribute exactly one query
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class AttentionMetadata:
     """What every attention layer of one forward pass needs; built once per step."""
 
-    slot_mapping: torch.Tensor     # [T] int64: pool slot each new token's K/V is written to
+    slot_mapping: torch.Tensor     # [T] int64: KV cache slot each new token's K/V is written to
     query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
     seq_lens: torch.Tensor         # [B] int32: context length after this step (cached + new)
     block_tables: torch.Tensor     # [B, max_blocks_per_seq] int32, padded with 0

@@ -8,7 +8,7 @@ from pd_cluster.attention.base import AttentionMetadata
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V to its pool slot (shapes as in `AttentionBackend.forward`)."""
+    """Write each token's K/V to its KV cache slot (shapes as in `AttentionBackend.forward`)."""
     num_blocks, block_size = k_cache.shape[:2]
     k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)

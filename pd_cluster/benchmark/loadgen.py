@@ -55,7 +55,7 @@ async def run_load(endpoint: Endpoint, workload: Workload, load: LoadSettings,
     prompts = [make_prompt(i, rng) for i, _ in lengths]
     records = [RequestRecord(n, i, o) for n, (i, o) in enumerate(lengths)]
     bar = tqdm(total=len(records), desc="bench", disable=not progress)
-    connector = aiohttp.TCPConnector(limit=0)   # concurrency is ours to set, not the pool's
+    connector = aiohttp.TCPConnector(limit=0)   # concurrency is ours to set, not the connector's
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """The Llama family in one module: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 Tokens of all sequences of a step are flattened into one [T] batch; attention metadata and
-the KV pool travel in the ForwardContext. q/k/v and gate/up are packed into single matmuls;
+the KV cache travel in the ForwardContext. q/k/v and gate/up are packed into single matmuls;
 `load_weights` slices Hugging Face's separate tensors into them.
 """
 from __future__ import annotations

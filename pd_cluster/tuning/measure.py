@@ -116,7 +116,7 @@ def _measure(engine: LLMEngine, grid: ProfileGrid, clock: Callable[[], float],
         _prefill_step(engine, [prompt(16)] * 2, clock)
         _decode_steps(engine, [prompt(64)] * 2, 1, rng, clock)
     prefill_points = grid.prefill_points()
-    # A decode point must fit in the KV pool, with room for the tokens its steps add.
+    # A decode point must fit in the KV cache, with room for the tokens its steps add.
     decode_points = [(b, c) for b, c in grid.decode_points() if b * engine.kv.blocks_needed(
         c + grid.decode_steps + 4) <= engine.kv.num_blocks]
     prefill_times: dict[int, list[float]] = {i: [] for i in range(len(prefill_points))}
@@ -171,7 +171,7 @@ def _decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int,
     for p in prompts:
         reserved = engine.reserve(p, params)
         if reserved is None:
-            raise RuntimeError("the KV pool is too small for a decode point; shrink the grid")
+            raise RuntimeError("the KV cache is too small for a decode point; shrink the grid")
         ids.append(reserved[0])
         engine.resume(reserved[0], rng.randrange(_FIRST_ID, engine.model_cfg.vocab_size))
     _sync(engine)

@@ -19,7 +19,7 @@ import numpy as np
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of a full block: stable across processes (P, D and the pool agree on it)."""
+    """Chained hash of a full block: stable across processes (P, D and the KV pool agree)."""
     h = hashlib.blake2b(digest_size=8)
     h.update((parent or 0).to_bytes(8, "little", signed=False))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
@@ -43,8 +43,9 @@ class Block:
     token_ids: tuple[int, ...] = ()  # kept for the equality check on a hash hit
 
 
-class BlockPool:
-    """Owns every block of one engine's KV pool."""
+class BlockAllocator:
+    """Owns every block of one engine's KV cache: hands them out, counts references, and
+    indexes the full ones by prefix hash."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -83,7 +84,7 @@ class BlockPool:
         Each KV transfer descriptor covers one run of consecutive blocks, so a request's blocks
         should form few runs: one descriptor per layer instead of one per block (a 2048-token
         prompt: 64 instead of 8,192, which saturated the prefill side's transport thread).
-        Taking blocks strictly in free-queue order scatters them once a pool has wrapped around
+        Taking blocks strictly in free-queue order scatters them once the free queue has wrapped around
         (requests free tail first, and a decode engine's one-at-a-time growth blocks interleave
         with its prompt ranges). So each pick starts at the least recently freed block and takes
         the free run around it, downwards first (a request's freed range is queued tail first);
