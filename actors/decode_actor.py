@@ -36,7 +36,7 @@ from actors.transport_pump import open_pump
 from pd_cluster.config import EngineConfig
 from pd_cluster.sampling_params import SamplingParams
 from transfer.base import TransferError
-from transfer.messages import PoolDescriptor
+from transfer.messages import KVDescriptor
 
 
 @ray.remote
@@ -145,7 +145,7 @@ class DecodingActor(StreamingEngine):
         """Open channels to prefill pools up front: two-sided transports (ucx, ray) acknowledge
         each write, and control messages (leases, aborts) flow this way too."""
         for pool in pools:
-            peer = PoolDescriptor.decode(pool)
+            peer = KVDescriptor.decode(pool)
             await asyncio.wrap_future(self.pump.call(lambda tr: tr.connect(peer)))
             self._peers.add(peer.agent)
 

@@ -15,7 +15,7 @@ STREAM_BACKPRESSURE = 4
 class KVDestination:
     """Where a prefill engine writes a request's prompt KV: a decode engine's reserved blocks."""
 
-    pool: bytes                  # the decode engine's encoded PoolDescriptor
+    pool: bytes                  # the decode engine's encoded KVDescriptor
     agent: str                   # its transport agent name
     block_ids: list[int]         # blocks for the whole prompt, in order
     num_cached_tokens: int       # prompt tokens the decode engine already holds (not re-sent)
@@ -28,7 +28,7 @@ class PrefillResult:
 
     token: int                            # the first generated token
     logprobs: dict[int, float] | None
-    pool: bytes                           # the prefill engine's encoded PoolDescriptor
+    pool: bytes                           # the prefill engine's encoded KVDescriptor
     agent: str
     transfer_ids: list[str]               # the writes the decode engine must see completed
     num_cached_tokens: int                # prompt tokens the prefill engine found cached

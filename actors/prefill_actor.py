@@ -40,7 +40,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
-from transfer.messages import PoolDescriptor
+from transfer.messages import KVDescriptor
 
 
 @ray.remote
@@ -164,7 +164,7 @@ class PrefillActor:
             await self._connect_pool(dest.pool)
 
     async def _connect_pool(self, pool: bytes) -> None:
-        peer = PoolDescriptor.decode(pool)
+        peer = KVDescriptor.decode(pool)
         await asyncio.wrap_future(self.pump.call(lambda tr: tr.connect(peer)))
         self._peers.add(peer.agent)
 

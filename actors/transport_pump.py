@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from transfer.base import KVTransport, Transfer, TransferError, TransferState
-from transfer.messages import PoolDescriptor
+from transfer.messages import KVDescriptor
 from transfer.registry import make_transport
 
 
@@ -163,7 +163,7 @@ def ms_percentiles(name: str, seconds) -> dict:
 
 
 def open_pump(engine: Any, transport: str, timeout_s: float,
-              name: str) -> tuple[PoolDescriptor, TransportPump]:
+              name: str) -> tuple[KVDescriptor, TransportPump]:
     """Register an engine's KV pool with a new transport of the named backend, and pump it."""
     tr = make_transport(transport, timeout_s=timeout_s)
     tr.register(engine.kv_cache, engine.kv_layout)

@@ -40,7 +40,7 @@ from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
 from router.output_streams import OutputStreams
 from router.routing import DECODE, PREFILL, ReplicaLoad, Route
-from transfer.messages import PoolDescriptor
+from transfer.messages import KVDescriptor
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 5.0
@@ -91,14 +91,14 @@ class DisaggregatedClient:
                                    for i, d in enumerate(self.decode)])
             p_pools = await asyncio.gather(*[p.pool.remote() for p in self.prefill])
             if self.pooled:
-                await self._start_kv_cache(PoolDescriptor.decode(p_pools[0]))
+                await self._start_kv_cache(KVDescriptor.decode(p_pools[0]))
                 return
             d_pools = await asyncio.gather(*[d.pool.remote() for d in self.decode])
             await asyncio.gather(*[d.connect.remote(p_pools) for d in self.decode],
                                  *[p.connect.remote(d_pools) for p in self.prefill])
         await asyncio.wait_for(ready(), timeout_s)
 
-    async def _start_kv_cache(self, prefill_pool: PoolDescriptor) -> None:
+    async def _start_kv_cache(self, prefill_pool: KVDescriptor) -> None:
         # As many blocks as a prefill engine's pool, on its transport: room for what a
         # prefill engine holds at once, plus a prefix cache the size of one.
         self.kv_cache = start_kv_cache(prefill_pool.layout, prefill_pool.backend,

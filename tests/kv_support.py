@@ -1,8 +1,8 @@
 """Real KV blocks for the transfer and KV cache tests: a tiny random Llama's K/V, scattered
-into a paged pool.
+into a paged KV cache.
 
 Until the engine exposes `engine.kv_cache`, the KV comes from HF transformers running a tiny
-random `LlamaForCausalLM` over a prompt; `paged_pool` lays it out exactly as the engine does
+random `LlamaForCausalLM` over a prompt; `paged_kv` lays it out exactly as the engine does
 ([layers, 2, blocks, block_size, kv_heads, head_dim]), so only `model_kv` changes later.
 """
 from __future__ import annotations
@@ -36,24 +36,24 @@ def model_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.stack(per_layer).transpose(2, 3).to(layout.torch_dtype).contiguous()
 
 
-def paged_pool(layout: KVLayout, kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """A fresh pool holding `kv`'s tokens in `block_ids` (last block zero-padded)."""
-    pool = layout.allocate()
+def paged_kv(layout: KVLayout, kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """A fresh KV cache holding `kv`'s tokens in `block_ids` (last block zero-padded)."""
+    cache = layout.allocate()
     bs = layout.block_size
     for i, b in enumerate(block_ids):
         chunk = kv[:, :, i * bs:(i + 1) * bs]
-        pool[:, :, b, :chunk.shape[2]] = chunk
-    return pool
+        cache[:, :, b, :chunk.shape[2]] = chunk
+    return cache
 
 
-def blocks(pool: torch.Tensor, block_ids: list[int], layers: range | None = None) -> torch.Tensor:
+def blocks(cache: torch.Tensor, block_ids: list[int], layers: range | None = None) -> torch.Tensor:
     """The given blocks (all layers, or `layers`) as one tensor, for byte-exact comparisons."""
-    sel = pool[:, :, block_ids]
+    sel = cache[:, :, block_ids]
     return sel if layers is None else sel[layers.start:layers.stop]
 
 
-class BlockAllocator:
-    """The simulated engine side's free list (the engine's real BlockPool is not needed here)."""
+class FreeList:
+    """The simulated engine side's free blocks (the engine's BlockAllocator is not needed here)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.kv_pool import BlockIndex, DistributedKVCache, KVCacheClient
-from kv_support import BlockAllocator, blocks, model_kv, paged_pool, tiny_layout
+from kv_support import FreeList, blocks, model_kv, paged_kv, tiny_layout
 from transfer.base import TransferError
 
 ray = pytest.importorskip("ray")
@@ -34,9 +34,9 @@ class PoolUser:
     def __init__(self, backend: str, kv_tokens: torch.Tensor | None = None):
         from transfer.registry import make_transport
 
-        self.alloc = BlockAllocator(LAYOUT.num_blocks)
+        self.alloc = FreeList(LAYOUT.num_blocks)
         self.prompt = self.alloc.allocate(6 if kv_tokens is not None else 0)
-        self.kv = paged_pool(LAYOUT, kv_tokens, self.prompt) if kv_tokens is not None \
+        self.kv = paged_kv(LAYOUT, kv_tokens, self.prompt) if kv_tokens is not None \
             else LAYOUT.allocate()
         self.t = make_transport(backend, timeout_s=5.0, lease_s=1.0)
         self.t.register(self.kv, LAYOUT)
@@ -109,7 +109,7 @@ def test_put_then_get_through_the_pool_is_byte_exact(cluster, kv) -> None:
     assert ray.get(pool.contains.remote(KEYS + [b"zz"])) == 6
     assert ray.get(writer.put.remote(KEYS)) == 0  # already cached: nothing moves
     n, got = ray.get(reader.get.remote(KEYS[:4] + [b"miss", KEYS[5]]))
-    assert n == 4 and torch.equal(got, paged_pool(LAYOUT, kv, list(range(6)))[:, :, :4])
+    assert n == 4 and torch.equal(got, paged_kv(LAYOUT, kv, list(range(6)))[:, :, :4])
     stats = ray.get(pool.stats.remote())
     assert (stats["cached"], stats["hits"], stats["misses"]) == (6, 4, 2)
 

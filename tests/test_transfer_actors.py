@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kv_support import BlockAllocator, blocks, model_kv, paged_pool, tiny_layout
+from kv_support import FreeList, blocks, model_kv, paged_kv, tiny_layout
 from transfer.base import LayoutMismatchError, TransferError
-from transfer.messages import PoolDescriptor
+from transfer.messages import KVDescriptor
 from waiting import wait_until
 
 ray = pytest.importorskip("ray")
@@ -21,15 +21,15 @@ FAST = dict(timeout_s=5.0, lease_s=1.0)
 
 
 class Engine:
-    """The simulated engine side: a paged KV pool, its free list, and one transport."""
+    """The simulated engine side: a paged KV cache, its free list, and one transport."""
 
     def __init__(self, backend: str, layout, kv_tokens: torch.Tensor | None = None, **kw):
         from transfer.registry import make_transport
 
-        self.alloc = BlockAllocator(layout.num_blocks)
+        self.alloc = FreeList(layout.num_blocks)
         self.prompt = self.alloc.allocate(0 if kv_tokens is None else
                                           -(-kv_tokens.shape[2] // layout.block_size))
-        self.kv = paged_pool(layout, kv_tokens, self.prompt) if kv_tokens is not None \
+        self.kv = paged_kv(layout, kv_tokens, self.prompt) if kv_tokens is not None \
             else layout.allocate()
         self.t = make_transport(backend, **kw)
         self.t.register(self.kv, layout)
@@ -118,7 +118,7 @@ def engines(request, ray_cluster, kv):
 
 def test_layer_by_layer_push_and_a_pull_are_byte_exact(engines, kv) -> None:
     _, p, d, (p_name, d_name) = engines
-    want = paged_pool(LAYOUT, kv, list(range(6)))[:, :, :6]
+    want = paged_kv(LAYOUT, kv, list(range(6)))[:, :, :6]
     dst = ray.get(d.reserve.remote(p_name, 6, "req1/0"))
     for layer in range(LAYOUT.num_layers):  # as prefill pushes each layer once it is computed
         tid = f"req1/{layer}"
@@ -136,7 +136,7 @@ def test_layer_by_layer_push_and_a_pull_are_byte_exact(engines, kv) -> None:
 
 def test_incompatible_layout_is_refused_across_processes(engines) -> None:
     _, p, d, _ = engines
-    theirs = PoolDescriptor.decode(ray.get(d.descriptor.remote()))
+    theirs = KVDescriptor.decode(ray.get(d.descriptor.remote()))
     other = replace(theirs, agent="other", layout=replace(theirs.layout, head_dim=32))
     with pytest.raises(LayoutMismatchError, match="head_dim: 16 != 32"):
         ray.get(p.connect.remote(other.encode()))

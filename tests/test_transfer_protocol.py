@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_support import blocks, model_kv, paged_pool, tiny_layout
+from kv_support import blocks, model_kv, paged_kv, tiny_layout
 from transfer import registry
 from transfer.base import LayoutMismatchError, TransferError, TransferState
-from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
+from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
 from transfer.registry import make_transport
 from transfer.runs import block_indices, block_runs, byte_runs
 from waiting import wait_until
@@ -21,7 +21,7 @@ def test_runs_merge_blocks_contiguous_on_both_sides() -> None:
     layout = tiny_layout(num_blocks=8)
     copies = byte_runs(layout, tiny_layout(num_blocks=16), range(1, 2), [2, 3], [5, 6])
     nb = layout.block_bytes
-    # layer 1 K then V, one run each; offsets count in each pool's own block count
+    # layer 1 K then V, one run each; offsets count in each KV cache's own block count
     assert copies == [((2 * 8 + 2) * nb, (2 * 16 + 5) * nb, 2 * nb),
                       ((3 * 8 + 2) * nb, (3 * 16 + 5) * nb, 2 * nb)]
     with pytest.raises(ValueError, match="out of range"):
@@ -52,8 +52,8 @@ def test_an_empty_write_completes_and_tells_the_target(pair) -> None:
 def test_messages_round_trip_and_reject_junk() -> None:
     msg = Message(MsgKind.DATA, "t1", "a", runs=((0, 64), (128, 64)), tag=7)
     assert Message.decode(msg.encode()) == msg
-    desc = PoolDescriptor("nixl", "a", tiny_layout(), 4096, 0, False, b"\x00md")
-    assert PoolDescriptor.decode(desc.encode()) == desc
+    desc = KVDescriptor("nixl", "a", tiny_layout(), 4096, 0, False, b"\x00md")
+    assert KVDescriptor.decode(desc.encode()) == desc
     for junk in (b"\x93\x01\x02\x03", b"not msgpack \xc1", Message(MsgKind.DONE, "t", "a")
                  .encode().replace(b"done", b"boom")):
         with pytest.raises(MessageError):
@@ -68,7 +68,7 @@ def test_unknown_or_missing_backend_says_what_to_do(monkeypatch) -> None:
         make_transport("nixl")
 
 
-def test_nixl_ucx_params_default_to_four_workers_for_gpu_pools_only(monkeypatch) -> None:
+def test_nixl_ucx_params_default_to_four_workers_for_gpu_memory_only(monkeypatch) -> None:
     nixl_transport = pytest.importorskip("transfer.nixl_transport")
     env, params = nixl_transport.UCX_PARAMS_ENV, nixl_transport.ucx_params_from_env
     monkeypatch.delenv(env, raising=False)
@@ -86,7 +86,7 @@ def _pair(backend: str, layout_b=None, **kwargs):
     layout = tiny_layout()
     a, b = make_transport(backend, **kwargs), make_transport(backend, **kwargs)
     kv = model_kv(layout, 22, seed=3)
-    a.register(paged_pool(layout, kv, [3, 4, 5, 6, 10, 11]), layout)
+    a.register(paged_kv(layout, kv, [3, 4, 5, 6, 10, 11]), layout)
     layout_b = layout_b or tiny_layout(num_blocks=24)
     b.register(layout_b.allocate(), layout_b)
     return a, b

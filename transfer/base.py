@@ -1,4 +1,4 @@
-"""The KV transport interface: one engine's paged KV pool ↔ a peer's, block by block.
+"""The KV transport interface: one engine's paged KV cache ↔ a peer's, block by block.
 
 Lifecycle of a transport:
     register(kv, layout) → descriptor() → connect(peer descriptor)          (once per peer)
@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from pd_cluster.kv_layout import KVLayout
-from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
+from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
 from transfer.runs import Copy, byte_runs
 from transfer.state import LayoutMismatchError, Role, Transfer, TransferError, TransferState
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 class KVTransport(ABC):
-    """Moves (layer range × block ids) between registered KV pools; see the module docstring."""
+    """Moves (layer range × block ids) between registered KV caches; see the module docstring."""
 
     backend: ClassVar[str]
 
@@ -48,7 +48,7 @@ class KVTransport(ABC):
         self.timeout_s, self.lease_s = timeout_s, lease_s
         self.kv: torch.Tensor | None = None
         self.layout: KVLayout | None = None
-        self.peers: dict[str, PoolDescriptor] = {}
+        self.peers: dict[str, KVDescriptor] = {}
         self._outgoing: dict[str, Transfer] = {}
         self._targets: dict[str, Transfer] = {}
         # The unfinished ones of each, which progress() walks: owners release finished
@@ -65,18 +65,18 @@ class KVTransport(ABC):
         if tuple(kv.shape) != layout.shape or kv.dtype != layout.torch_dtype:
             raise ValueError(f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match {layout}")
         if not kv.is_contiguous():
-            raise ValueError("the KV pool must be one contiguous tensor")
+            raise ValueError("the KV cache must be one contiguous tensor")
         self.kv, self.layout = kv, layout
         self._register(kv)
 
-    def descriptor(self) -> PoolDescriptor:
+    def descriptor(self) -> KVDescriptor:
         kv = self._registered()
-        return PoolDescriptor(self.backend, self.name, self.layout, kv.data_ptr(),
+        return KVDescriptor(self.backend, self.name, self.layout, kv.data_ptr(),
                               kv.device.index or 0, kv.is_cuda, self._address())
 
-    def connect(self, peer: PoolDescriptor | bytes) -> str:
-        """Check the peer's pool is compatible, open a channel to it; returns its name."""
-        desc = PoolDescriptor.decode(peer) if isinstance(peer, bytes) else peer
+    def connect(self, peer: KVDescriptor | bytes) -> str:
+        """Check the peer's KV cache is compatible, open a channel to it; returns its name."""
+        desc = KVDescriptor.decode(peer) if isinstance(peer, bytes) else peer
         self._registered()
         if desc.backend != self.backend:
             raise LayoutMismatchError(
@@ -122,7 +122,7 @@ class KVTransport(ABC):
         Spins for the first 2 ms: a GPU transfer of a whole prompt takes about 1 ms, and
         even a short sleep would dominate it. Then backs off from 50 µs to 0.5 ms sleeps:
         longer ones (this was 5 ms) added up to 5 ms to every transfer of 2-50 ms, e.g. a
-        prompt's KV into a host pool, while a 0.5 ms poll costs nothing measurable.
+        prompt's KV into host memory, while a 0.5 ms poll costs nothing measurable.
         """
         spin_until, pause = time.monotonic() + 2e-3, 5e-5
         while not self.poll(t).finished:
@@ -266,11 +266,11 @@ class KVTransport(ABC):
 
     def _registered(self) -> torch.Tensor:
         if self.kv is None:
-            raise TransferError(f"{self.name}: register() the KV pool first")
+            raise TransferError(f"{self.name}: register() the KV cache first")
         return self.kv
 
     def _bytes(self) -> torch.Tensor:
-        """The pool as a flat uint8 tensor, the unit every run offset counts in."""
+        """The KV cache as a flat uint8 tensor, the unit every run offset counts in."""
         return self._registered().view(-1).view(torch.uint8)
 
     # -- backend hooks -------------------------------------------------------------------
@@ -282,7 +282,7 @@ class KVTransport(ABC):
         """Connection info a peer needs (NIXL agent metadata, UCX worker address, ...)."""
 
     @abstractmethod
-    def _connect(self, peer: PoolDescriptor) -> None: ...
+    def _connect(self, peer: KVDescriptor) -> None: ...
 
     def _plan(self, peer_layout: KVLayout, layers: range, local_blocks: Sequence[int],
               remote_blocks: Sequence[int]) -> Any:

@@ -11,7 +11,7 @@ from collections import deque
 import torch
 
 from transfer.base import KVTransport, Role, Transfer
-from transfer.messages import Message, MsgKind, PoolDescriptor
+from transfer.messages import Message, MsgKind, KVDescriptor
 from transfer.runs import Copy
 
 # name → transport; weak, so a transport that goes away looks like a dead peer.
@@ -28,7 +28,7 @@ class LocalTransport(KVTransport):
     def _address(self) -> bytes:
         return b""
 
-    def _connect(self, peer: PoolDescriptor) -> None:
+    def _connect(self, peer: KVDescriptor) -> None:
         self._peer(peer.agent)
 
     def _peer(self, name: str) -> "LocalTransport":

@@ -1,8 +1,8 @@
 """Typed wire messages of the KV transport, encoded with msgpack (never pickle).
 
 Everything that crosses between engines is one of two types:
-- `PoolDescriptor`: what a peer needs to reach a registered KV pool (exported once, sent out of
-  band, e.g. as the return value of an actor method);
+- `KVDescriptor`: what a peer needs to reach a registered KV cache (exported once, sent out
+  of band, e.g. as the return value of an actor method);
 - `Message`: a small control message (completion notice, lease renewal, abort, ...).
 Decoding validates field types, so bytes from a peer can at worst raise `MessageError`.
 """
@@ -27,10 +27,10 @@ class MsgKind(Enum):
     # Backend-internal kinds, for transports without one-sided memory access (ray, ucx):
     DATA = "data"          # a payload follows / is attached; `runs` says where it lands
     ACK = "ack"            # the receiver of DATA has copied it in
-    READ_REQ = "read_req"  # send me these runs of your pool (`runs`), tagged `tag`
+    READ_REQ = "read_req"  # send me these runs of your KV cache (`runs`), tagged `tag`
 
 
-Run = tuple[int, int]  # (byte offset into a pool, byte length)
+Run = tuple[int, int]  # (byte offset into a KV cache, byte length)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +59,8 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolDescriptor:
-    """How to reach a registered KV pool: backend, unique agent name, layout, base address."""
+class KVDescriptor:
+    """How to reach a registered KV cache: backend, unique agent name, layout, base address."""
 
     backend: str
     agent: str
@@ -75,12 +75,12 @@ class PoolDescriptor:
         return msgpack.packb(d)
 
     @classmethod
-    def decode(cls, data: bytes) -> "PoolDescriptor":
+    def decode(cls, data: bytes) -> "KVDescriptor":
         try:
             d = msgpack.unpackb(data)
             desc = cls(**{**d, "layout": KVLayout(**d["layout"])})
         except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
-            raise MessageError(f"malformed pool descriptor: {e}") from e
+            raise MessageError(f"malformed KV descriptor: {e}") from e
         _check_types(desc, backend=str, agent=str, base_addr=int, device_id=int, on_gpu=bool,
                      address=bytes)
         return desc

@@ -1,4 +1,4 @@
-"""NIXL transport: one-sided UCX WRITE/READ between registered pools (GPU or host memory).
+"""NIXL transport: one-sided UCX WRITE/READ between registered KV caches (GPU or host memory).
 
 The whole KV tensor is registered once, and its block descriptors (ours, and each peer's)
 are prepared once; a transfer is one NIXL request naming block indices (merged into runs by NIXL),
@@ -16,21 +16,23 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 from pd_cluster.kv_layout import KVLayout
 from transfer.base import KVTransport, Role, Transfer
-from transfer.messages import Message, MsgKind, PoolDescriptor
+from transfer.messages import Message, MsgKind, KVDescriptor
 from transfer.runs import block_indices
 
 _NOTHING = "nothing to move"  # handle of a transfer of zero blocks: done once posted
 # UCX backend parameters ("num_workers=2,num_threads=4"), for tuning without a code change.
 UCX_PARAMS_ENV = "PD_NIXL_UCX_PARAMS"
-# GPU pools' default. UCX's cuda_ipc puts a worker's copies to one peer device on one CUDA
-# stream (the stream is picked by the peer's device number), so a prompt's per-(layer, K|V)
-# runs go one after another; four workers spread them over four streams. A 2048-token 8B
-# prompt: 258 -> 306 GB/s median on nvidia-h100-x2, 208-261 -> 271-305 on nvidia-h200-x2.
+# The default for KV caches in GPU memory. UCX's cuda_ipc puts a worker's copies to one peer
+# device on one CUDA stream (the stream is picked by the peer's device number), so a prompt's
+# per-(layer, K|V) runs go one after another; four workers spread them over four streams. A
+# 2048-token 8B prompt: 258 -> 306 GB/s median on nvidia-h100-x2, 208-261 -> 271-305 on
+# nvidia-h200-x2.
 GPU_UCX_PARAMS = {"num_workers": "4"}
 
 
 def ucx_params_from_env(on_gpu: bool = False) -> dict[str, str]:
-    """PD_NIXL_UCX_PARAMS when set (even empty: UCX's own defaults), else ours for the pool."""
+    """PD_NIXL_UCX_PARAMS when set (even empty: UCX's own defaults), else ours for the KV
+    cache's memory (`on_gpu`)."""
     if UCX_PARAMS_ENV not in os.environ:
         return dict(GPU_UCX_PARAMS) if on_gpu else {}
     text = os.environ[UCX_PARAMS_ENV].strip()
@@ -48,7 +50,7 @@ class NixlTransport(KVTransport):
         super().__init__(name, **kwargs)
         self.ucx_params = None if ucx_params is None else dict(ucx_params)  # None: see _register
         self.telemetry = telemetry  # NIXL's per-transfer timings (get_xfer_telemetry), for benches
-        self.progress_thread = progress_thread  # None: for GPU pools only (see _register)
+        self.progress_thread = progress_thread  # None: for GPU memory only (see _register)
         self.agent = None   # made at register(), once we know which memory it moves
         # Requests posted and the descriptor runs in them (neighbouring blocks on both sides
         # merge into one): runs per request is what the posting costs grow with.
@@ -58,8 +60,8 @@ class NixlTransport(KVTransport):
         self._stuck: list = []
 
     def _register(self, kv: torch.Tensor) -> None:
-        # GPU pools: NIXL's progress thread advances transfers while the owner computes (the
-        # next layer's prefill). Host pools: that thread spins a core even when idle, which
+        # GPU memory: NIXL's progress thread advances transfers while the owner computes (the
+        # next layer's prefill). Host memory: that thread spins a core even when idle, which
         # starves the engines on a small CPU machine; the owner's pump progresses the agent
         # often enough (every check and notification poll does).
         self.agent = nixl_agent(self.name, nixl_agent_config(
@@ -74,12 +76,12 @@ class NixlTransport(KVTransport):
                                  kv.device.index or 0, self._mem)
 
     def _prep(self, agent: str, layout: KVLayout, base: int, device: int, mem: str):
-        """One descriptor per (layer, K|V, block) of a pool, in address order, prepared once.
+        """One descriptor per (layer, K|V, block) of a KV cache, in address order, prepared once.
 
         Each write then only names indices (make_prepped_xfer) instead of building and
         validating descriptor lists (get_xfer_descs + initialize_xfer), which cost more than
         the posting itself. The list is NIXL's strided form (address, len, device, stride,
-        count): one row however large the pool, so preparing it is free (an expanded list of
+        count): one row however large the KV cache, so preparing it is free (an expanded list of
         32 layers x 2 x 100k blocks took 3.5 s and 440 MB). NIXL merges indices that are
         neighbours on both sides back into one run, so contiguous blocks still post as one
         descriptor per (layer, K|V).
@@ -102,7 +104,7 @@ class NixlTransport(KVTransport):
     def _address(self) -> bytes:
         return self.agent.get_agent_metadata()
 
-    def _connect(self, peer: PoolDescriptor) -> None:
+    def _connect(self, peer: KVDescriptor) -> None:
         self.agent.add_remote_agent(peer.address)
         self._remote[peer.agent] = self._prep(peer.agent, peer.layout, peer.base_addr,
                                               peer.device_id, "VRAM" if peer.on_gpu else "DRAM")

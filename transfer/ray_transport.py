@@ -20,7 +20,7 @@ import ray
 import torch
 
 from transfer.base import KVTransport, Role, Transfer
-from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
+from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
 from transfer.runs import Copy
 
 _DONE = "done"
@@ -62,7 +62,7 @@ class RayTransport(KVTransport):
     def _address(self) -> bytes:
         return self._mailbox_name.encode()
 
-    def _connect(self, peer: PoolDescriptor) -> None:
+    def _connect(self, peer: KVDescriptor) -> None:
         ns, _, name = peer.address.decode().partition("/")
         self._mailboxes[peer.agent] = ray.get_actor(name, namespace=ns)
 
@@ -167,10 +167,10 @@ class RayTransport(KVTransport):
                     self._bytes()[off:off + n].copy_(torch.from_numpy(arr), non_blocking=True)
 
     def _check_runs(self, runs) -> None:
-        """Offsets come from a peer: never let them reach outside our pool."""
+        """Offsets come from a peer: never let them reach outside our KV cache."""
         size = self._bytes().numel()
         if any(off < 0 or n < 0 or off + n > size for off, n in runs):
-            raise MessageError(f"runs outside the {size}-byte pool")
+            raise MessageError(f"runs outside the {size}-byte KV cache")
 
     def _close(self) -> None:
         if self._mailbox is not None:

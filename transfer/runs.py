@@ -1,6 +1,6 @@
-"""Block ids → merged byte runs (or per-block descriptor indices) of a KV pool.
+"""Block ids → merged byte runs (or per-block descriptor indices) of a KV cache.
 
-A pool is one tensor [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], so
+A KV cache is one tensor [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], so
 for one (layer, K|V) pair the blocks are laid out back to back:
 
     layer 0 K: | b0 | b1 | b2 | ... | b(N-1) |   layer 0 V: | b0 | b1 | ... |   layer 1 K: ...
@@ -28,7 +28,7 @@ def _ids(blocks: Sequence[int], layout: KVLayout) -> np.ndarray:
     # As uint64 a negative id is huge, so one max() checks both ends.
     if ids.size and ids.view(np.uint64).max() >= layout.num_blocks:
         bad = ids[(ids < 0) | (ids >= layout.num_blocks)]
-        raise ValueError(f"block ids {bad[:4].tolist()} out of range for a pool of "
+        raise ValueError(f"block ids {bad[:4].tolist()} out of range for a KV cache of "
                          f"{layout.num_blocks}")
     return ids
 
@@ -62,11 +62,6 @@ def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tup
     return list(zip(s.tolist(), d.tolist(), n.tolist()))
 
 
-def block_offset(layout: KVLayout, layer: int, kv: int, block: int) -> int:
-    """Byte offset of one block of one layer's K (kv=0) or V (kv=1) inside the pool tensor."""
-    return ((layer * 2 + kv) * layout.num_blocks + block) * layout.block_bytes
-
-
 def _regions(layers: range) -> np.ndarray:
     """(layer, K|V) region numbers of `layers`, as a column: region r = layer * 2 + kv."""
     return np.arange(2 * layers.start, 2 * layers.stop, dtype=np.int64)[:, None]
@@ -74,7 +69,8 @@ def _regions(layers: range) -> np.ndarray:
 
 def byte_runs(src: KVLayout, dst: KVLayout, layers: range, src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> list[Copy]:
-    """The copies that move `src_blocks` of `layers` into `dst_blocks` (pools may differ in size)."""
+    """The copies that move `src_blocks` of `layers` into `dst_blocks` (the two KV caches may
+    differ in size)."""
     s, d, n = _run_arrays(*_checked(src, dst, layers, src_blocks, dst_blocks))
     reg, nb = _regions(layers), src.block_bytes
     cols = [((reg * layout.num_blocks + start) * nb).ravel()
@@ -85,10 +81,10 @@ def byte_runs(src: KVLayout, dst: KVLayout, layers: range, src_blocks: Sequence[
 
 def block_indices(src: KVLayout, dst: KVLayout, layers: range, src_blocks: Sequence[int],
                   dst_blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block descriptor indices (int32) into each pool's list of (layer, K|V, block)s.
+    """Per-block descriptor indices (int32) into each KV cache's list of (layer, K|V, block)s.
 
     Index (layer * 2 + kv) * num_blocks + block is that block's byte offset / block_bytes, so
-    a descriptor list with one block_bytes entry per index covers the pool in address order
+    a descriptor list with one block_bytes entry per index covers the KV cache in address order
     and its consumer (NIXL) can merge neighbouring indices back into runs.
     """
     s, d = _checked(src, dst, layers, src_blocks, dst_blocks)

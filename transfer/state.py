@@ -11,7 +11,7 @@ class TransferError(RuntimeError):
 
 
 class LayoutMismatchError(TransferError):
-    """Two pools whose blocks cannot be exchanged (different model, dtype, shape, backend)."""
+    """Two KV caches whose blocks cannot be exchanged (different model, dtype, shape, backend)."""
 
 
 class TransferState(Enum):

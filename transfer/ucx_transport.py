@@ -1,7 +1,7 @@
-"""UCX transport over ucxx (the maintained successor of ucx-py): tagged sends between pools.
+"""UCX transport over ucxx (the maintained successor of ucx-py): tagged sends between KV caches.
 
 ucxx's Python API has tag/AM/stream messaging but no RMA, so transfers are two-sided; each
-run travels straight from one pool's memory into the other's (no staging copy):
+run travels straight from one KV cache's memory into the other's (no staging copy):
 
     write: control DATA(runs, tag) → tag_send(run i, tag+i)   peer: tag_recv(run i) → ACK
     read:  tag_recv(run i, tag+i) posted → control READ_REQ(runs, tag) → peer: tag_send(run i)
@@ -21,7 +21,7 @@ import ucxx._lib.libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from transfer.base import KVTransport, Role, Transfer
-from transfer.messages import Message, MessageError, MsgKind, PoolDescriptor
+from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
 from transfer.runs import Copy
 
 _CTRL_TAG = 1
@@ -50,7 +50,7 @@ class UcxTransport(KVTransport):
     def _address(self) -> bytes:
         return self._worker.address.tobytes()
 
-    def _connect(self, peer: PoolDescriptor) -> None:
+    def _connect(self, peer: KVDescriptor) -> None:
         addr = ucx_api.UCXAddress.create_from_buffer(np.frombuffer(peer.address, np.uint8))
         self._eps[peer.agent] = ucx_api.UCXEndpoint.create_from_worker_address(
             self._worker, addr, True)
@@ -140,10 +140,10 @@ class UcxTransport(KVTransport):
                      else self._bytes()[off:off + n].numpy())
 
     def _check_runs(self, runs) -> None:
-        """Offsets come from a peer: never let them reach outside our pool."""
+        """Offsets come from a peer: never let them reach outside our KV cache."""
         size = self._bytes().numel()
         if len(runs) >= 1 << 16 or any(o < 0 or n < 0 or o + n > size for o, n in runs):
-            raise MessageError(f"runs outside the {size}-byte pool")
+            raise MessageError(f"runs outside the {size}-byte KV cache")
 
     @staticmethod
     def _tag(transfer_id: str) -> int:
