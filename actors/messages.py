@@ -1,9 +1,11 @@
 """Typed messages between the router and the disaggregated actors."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from pd_cluster.outputs import CompletionOutput, RequestOutput
+from pd_cluster.request import FinishReason
 
 
 # Outputs a request's stream may run ahead of its consumer; beyond that the actor waits and
@@ -54,7 +56,7 @@ class StreamDelta:
     text: str
     logprobs: list[dict[int, float]] | None
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: int | str | None
     num_cached_tokens: int
     error: str | None
@@ -69,18 +71,29 @@ class StreamDelta:
                    out.engine_ttft)
 
 
+class StreamErrorKind(str, enum.Enum):
+    """How a request's stream ended in an error."""
+
+    REJECTED = "rejected"   # the engine refused the request: the client's fault
+    FAILED = "failed"       # the engine failed it
+    TIMEOUT = "timeout"     # the engine gave up waiting
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True, slots=True)
 class StreamError:
-    """A request's stream ended in an error: the engine refused it ("rejected": the client's
-    fault), failed ("failed") or gave up waiting ("timeout")."""
+    """A request's stream ended in an error, of this kind."""
 
-    kind: str
+    kind: StreamErrorKind
     message: str
 
     @classmethod
     def of(cls, e: Exception) -> "StreamError":
-        kind = ("rejected" if isinstance(e, ValueError)
-                else "timeout" if isinstance(e, TimeoutError) else "failed")
+        kind = (StreamErrorKind.REJECTED if isinstance(e, ValueError)
+                else StreamErrorKind.TIMEOUT if isinstance(e, TimeoutError)
+                else StreamErrorKind.FAILED)
         return cls(kind, str(e) or type(e).__name__)
 
 

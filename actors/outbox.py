@@ -24,7 +24,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from actors.engine_loop import EngineFailed, RequestRejected
-from actors.messages import StreamDelta, StreamError
+from actors.messages import StreamDelta, StreamError, StreamErrorKind
 from pd_cluster.outputs import RequestOutput
 
 Batch = list[tuple[str, "StreamDelta | StreamError"]]
@@ -95,8 +95,8 @@ class Outbox:
 
 def raise_stream_error(error: StreamError) -> None:
     """Re-raise an engine's error on the subscriber's side, as the same kind of exception."""
-    if error.kind == "rejected":
+    if error.kind is StreamErrorKind.REJECTED:
         raise RequestRejected(error.message)
-    if error.kind == "timeout":
+    if error.kind is StreamErrorKind.TIMEOUT:
         raise TimeoutError(error.message)
     raise EngineFailed(error.message)

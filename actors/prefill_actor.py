@@ -39,6 +39,7 @@ from kernels import compiles
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
+from pd_cluster.request import FinishReason
 from pd_cluster.sampling_params import SamplingParams
 from transfer.messages import KVDescriptor
 
@@ -131,7 +132,7 @@ class PrefillActor:
         last = None
         async for out in self.loop.stream(request_id, prompt_ids, params, hold_kv=True):
             last = out
-        if last is None or last.outputs[0].finish_reason == "abort":
+        if last is None or last.outputs[0].finish_reason is FinishReason.ABORT:
             raise RuntimeError(f"prefill of {request_id} was aborted")
         return last
 

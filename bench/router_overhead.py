@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pd_cluster.benchmark.serving_runs import set_args  # noqa: E402
+from pd_cluster.request import FinishReason  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
 from router.app import build_app, model_dir  # noqa: E402
@@ -169,7 +170,7 @@ class DirectPath:
         try:
             async for out in stream:
                 first = first or time.perf_counter() - start
-                if out.finished and out.outputs[0].finish_reason == "error":
+                if out.finished and out.outputs[0].finish_reason is FinishReason.ERROR:
                     raise RuntimeError(f"the engine failed the request: {out.error}")
         finally:
             await stream.aclose()

@@ -11,7 +11,7 @@ from pd_cluster.kv_cache_manager import KVCacheManager
 from pd_cluster.model_runner import LaunchedStep, ModelRunner, StepListener
 from pd_cluster.output_processor import OutputProcessor
 from pd_cluster.outputs import RequestOutput
-from pd_cluster.request import Request, RequestStatus
+from pd_cluster.request import FinishReason, Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from pd_cluster.step_totals import StepWork, new_totals
@@ -164,7 +164,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its KV blocks are freed at once."""
-        req = self.scheduler.finish(request_id, RequestStatus.ABORTED, "abort")
+        req = self.scheduler.finish(request_id, RequestStatus.ABORTED, FinishReason.ABORT)
         if req is None:
             return None
         req.drop_pending()

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from pd_cluster.outputs import CompletionOutput, RequestOutput
-from pd_cluster.request import Request, RequestStatus
+from pd_cluster.request import FinishReason, Request, RequestStatus
 from pd_cluster.sampler import Sampler
 from pd_cluster.scheduler import Scheduler, SchedulerOutput
 from pd_cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
@@ -46,7 +46,7 @@ class OutputProcessor:
             if not s.samples:
                 continue
             if req.request_id not in ended and self._hit_stop_string(req):
-                scheduler.finish(req.request_id, RequestStatus.FINISHED, "stop")
+                scheduler.finish(req.request_id, RequestStatus.FINISHED, FinishReason.STOP)
             if req.is_finished or req.request_id in ended:
                 sampler.forget(req.request_id)
                 outs.append(self.finalize(req))

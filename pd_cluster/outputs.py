@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pd_cluster.request import FinishReason
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -13,7 +15,7 @@ class CompletionOutput:
     text: str = ""                                       # everything generated so far
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None                     # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None                 # the stop token id or stop string hit
 
 

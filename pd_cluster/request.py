@@ -13,6 +13,19 @@ from pd_cluster.sampling_params import SamplingParams
 PENDING_TOKEN = -1
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are OpenAI's `finish_reason` strings (str-valued, so
+    they compare equal to and serialize as those strings)."""
+
+    STOP = "stop"        # a stop token, EOS or a stop string
+    LENGTH = "length"    # max_tokens reached
+    ABORT = "abort"      # cancelled by the client or the system
+    ERROR = "error"      # ended by an engine error
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"                # queued for (re)computation of its prompt
     PREFILLING = "prefilling"          # some, not all, prompt chunks computed
@@ -58,7 +71,7 @@ class Request:
     num_cached_tokens: int = -1      # prefix-cache hit at first scheduling (-1: not yet)
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
     # Prefill side of a disaggregated request: after its first token, keep its KV blocks
@@ -96,8 +109,8 @@ class Request:
                                f"{self.status.name} -> {status.name}")
         self.status = status
 
-    def finish(self, status: RequestStatus, reason: str, stop_reason: int | str | None = None,
-               error: str | None = None) -> None:
+    def finish(self, status: RequestStatus, reason: FinishReason,
+               stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.move_to(status)
         self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
 
@@ -125,12 +138,12 @@ class Request:
         n = len(self.output_token_ids)
         if n >= params.min_tokens:
             if token in params.stop_token_ids:
-                self.finish(RequestStatus.FINISHED, "stop", stop_reason=token)
+                self.finish(RequestStatus.FINISHED, FinishReason.STOP, stop_reason=token)
                 return True
             if not params.ignore_eos and token in self.eos_token_ids:
-                self.finish(RequestStatus.FINISHED, "stop")
+                self.finish(RequestStatus.FINISHED, FinishReason.STOP)
                 return True
         if n >= params.max_tokens:
-            self.finish(RequestStatus.FINISHED, "length")
+            self.finish(RequestStatus.FINISHED, FinishReason.LENGTH)
             return True
         return False

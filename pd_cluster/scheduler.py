@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pd_cluster.kv_cache_manager import KVCacheManager
-from pd_cluster.request import Request, RequestStatus
+from pd_cluster.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -101,7 +101,7 @@ class Scheduler:
         """Prefill side: the KV of a held request has been sent; free its blocks."""
         req = self.holding.get(request_id)
         if req is not None:
-            req.finish(RequestStatus.FINISHED, "length")
+            req.finish(RequestStatus.FINISHED, FinishReason.LENGTH)
             self._remove(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -209,7 +209,7 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def finish(self, request_id: str, status: RequestStatus, reason: str,
+    def finish(self, request_id: str, status: RequestStatus, reason: FinishReason,
                error: str | None = None) -> Request | None:
         """End a request from outside (abort, stop string, failure); frees its blocks."""
         req = self.requests.get(request_id)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pd_cluster.request import FinishReason
 from pd_cluster.step_totals import STEP_FEATURES
 from router.routing import ReplicaLoad
 
@@ -144,7 +145,7 @@ class RequestTimer:
             self.metrics.itl.observe(now - self.last)
         self.last = now
 
-    def finish(self, finish_reason: str, num_tokens: int) -> None:
+    def finish(self, finish_reason: FinishReason, num_tokens: int) -> None:
         now, metrics = time.perf_counter(), self.metrics
         metrics.e2e.observe(now - self.start)
         metrics.finished.labels(metrics.model, finish_reason).inc()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_cluster.request import FinishReason
 from pd_cluster.tokenizer import Tokenizer
 
 Logprobs = Sequence[dict[int, float]]   # per token: {token id: logprob}, the sampled one included
@@ -28,7 +29,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -64,7 +65,7 @@ class Formatter(ABC):
         return {**body, "usage": usage_}
 
     def chunk(self, index: int, text: str, token_ids: Sequence[int], logprobs: Logprobs,
-              finish_reason: str | None) -> dict[str, Any]:
+              finish_reason: FinishReason | None) -> dict[str, Any]:
         return self._envelope(self.chunk_object_name,
                               [self.delta_choice(index, text, token_ids, logprobs,
                                                  finish_reason)])
@@ -92,7 +93,7 @@ class Formatter(ABC):
 
     @abstractmethod
     def delta_choice(self, index: int, text: str, token_ids: Sequence[int], logprobs: Logprobs,
-                     finish_reason: str | None) -> dict[str, Any]: ...
+                     finish_reason: FinishReason | None) -> dict[str, Any]: ...
 
 
 class CompletionFormatter(Formatter):
@@ -106,7 +107,7 @@ class CompletionFormatter(Formatter):
                 "finish_reason": choice.finish_reason}
 
     def delta_choice(self, index: int, text: str, token_ids: Sequence[int], logprobs: Logprobs,
-                     finish_reason: str | None) -> dict[str, Any]:
+                     finish_reason: FinishReason | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": self._logprobs(token_ids, logprobs),
                 "finish_reason": finish_reason}
 
@@ -143,7 +144,7 @@ class ChatFormatter(Formatter):
                 "finish_reason": choice.finish_reason}
 
     def delta_choice(self, index: int, text: str, token_ids: Sequence[int], logprobs: Logprobs,
-                     finish_reason: str | None) -> dict[str, Any]:
+                     finish_reason: FinishReason | None) -> dict[str, Any]:
         return {"index": index, "delta": {"content": text} if text else {},
                 "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason}
 

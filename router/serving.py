@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_cluster.outputs import RequestOutput
+from pd_cluster.request import FinishReason
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import Tokenizer
 from router.app_config import AppConfig
@@ -166,9 +167,9 @@ class OpenAIServing:
             timer.output()
             if out.finished:
                 choice = out.outputs[0]
-                if choice.finish_reason == "error":
+                if choice.finish_reason is FinishReason.ERROR:
                     raise RuntimeError(f"engine failed the request: {out.error}")
-                timer.finish(choice.finish_reason or "stop", len(choice.token_ids))
+                timer.finish(choice.finish_reason or FinishReason.STOP, len(choice.token_ids))
             yield out
 
     async def _next(self, outputs: AsyncIterator[tuple[int, RequestOutput]]
