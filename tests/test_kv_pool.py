@@ -151,9 +151,11 @@ def test_a_pool_killed_mid_get_fails_the_reader_cleanly(cluster) -> None:
     backend, pool, writer, reader = cluster
     doomed = RemotePool.remote(POOL_LAYOUT, backend, timeout_s=5.0, lease_s=1.0)
     ray.get([writer.attach.remote(doomed), reader.attach.remote(doomed)])
-    ray.get(writer.put.remote(KEYS[:3]))
-    ray.get(reader.begin.remote("get", KEYS[:3]))
-    ray.kill(doomed)
-    err = ray.get(reader.complete.remote("get"))
-    assert "died" in err or "timed_out" in err or "failed" in err, err
-    ray.get([writer.attach.remote(pool), reader.attach.remote(pool)])
+    try:
+        ray.get(writer.put.remote(KEYS[:3]))
+        ray.get(reader.begin.remote("get", KEYS[:3]))
+        ray.kill(doomed)
+        err = ray.get(reader.complete.remote("get"))
+        assert "died" in err or "timed_out" in err or "failed" in err, err
+    finally:   # the module's users go back to its pool, whatever happened here
+        ray.get([writer.attach.remote(pool), reader.attach.remote(pool)])
