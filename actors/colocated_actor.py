@@ -10,6 +10,7 @@ from __future__ import annotations
 import ray
 
 from actors.engine_loop import EngineLoop
+from actors.messages import DECODE
 from actors.streaming import StreamingEngine
 from pd_cluster.config import EngineConfig
 
@@ -18,6 +19,5 @@ from pd_cluster.config import EngineConfig
 class ColocatedActor(StreamingEngine):
     def __init__(self, config: EngineConfig, replica_id: int,
                  stall_timeout_s: float = 600.0) -> None:
-        self.replica_id = replica_id
-        self.loop = EngineLoop(config, stall_timeout_s)
+        self.loop = EngineLoop(config, stall_timeout_s, DECODE, replica_id)
         self._open_outbox()

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
-from typing import Any
 
 import ray
 
 from actors.engine_loop import EngineLoop
 from actors.kv_push import expect_transfers
-from actors.messages import KVDestination, PrefillResult
+from actors.messages import DECODE, KVDestination, PrefillResult, ReplicaLoad
 from actors.pool_client import PumpKVCacheClient
 from actors.streaming import StreamingEngine
 from actors.transport_pump import open_pump
@@ -44,7 +44,7 @@ class DecodingActor(StreamingEngine):
     def __init__(self, config: EngineConfig, replica_id: int, transport: str,
                  timeout_s: float = 120.0, lease_s: float = 60.0) -> None:
         self.replica_id, self.timeout_s, self.lease_s = replica_id, timeout_s, lease_s
-        self.loop = EngineLoop(config, timeout_s)
+        self.loop = EngineLoop(config, timeout_s, DECODE, replica_id)
         self._open_outbox()
         engine = self.loop.engine
         self.descriptor, self.pump = open_pump(engine, transport, timeout_s,
@@ -162,7 +162,7 @@ class DecodingActor(StreamingEngine):
             lease.cancel()
         self.loop.abort(request_id)
 
-    async def load(self) -> dict[str, Any]:
-        return {**self.loop.load(), "replica_id": self.replica_id,
-                "kv_bytes_transferred": self.kv_bytes, "kv_transfer_seconds": self.transfer_s,
-                "transport": self.descriptor.backend}
+    async def load(self) -> ReplicaLoad:
+        return dataclasses.replace(self.loop.load(), kv_bytes_transferred=self.kv_bytes,
+                                   kv_transfer_seconds=self.transfer_s,
+                                   transport=self.descriptor.backend)

@@ -13,7 +13,8 @@ Lifecycle of a request:
                                (id, output) items (an Outbox's: one Ray stream per router
                                replica); only `abort(id)` stops such a request early
 The engine is touched only by its thread, so it needs no lock; `load()` reads a snapshot
-that the thread refreshes after every step.
+(a ReplicaLoad, in the name of the replica the loop was made for) that the thread refreshes
+after every step.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.messages import DECODE, ReplicaLoad
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
@@ -39,7 +41,7 @@ IDLE_WAIT_S = 0.5
 
 
 class RequestRejected(ValueError):
-    """The engine refused a request (too long, too large for the KV pool, duplicate id)."""
+    """The engine refused a request (too long, too large for the KV cache, duplicate id)."""
 
 
 class EngineFailed(RuntimeError):
@@ -93,8 +95,10 @@ class _Sink:
 class EngineLoop:
     """Owns an LLMEngine and runs it on a background thread; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, stall_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, stall_timeout_s: float = 600.0,
+                 role: str = DECODE, replica_id: int = 0) -> None:
         self.engine = LLMEngine(config)
+        self.role, self.replica_id = role, replica_id   # whose load() reports it is
         self.stall_timeout_s = stall_timeout_s   # longest wait for a request's next output
         self._commands: collections.deque[_Add | _Abort | _Resume | _Call] = collections.deque()
         # Watches every step (the prefill side's KV pusher); set before requests arrive.
@@ -171,9 +175,9 @@ class EngineLoop:
         """Cancel a request; its stream ends with a finished output (finish_reason "abort")."""
         self._submit(_Abort(request_id))
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> ReplicaLoad:
         """Running and waiting requests, KV blocks, prefix-cache counters (a recent snapshot)."""
-        return dict(self._load)
+        return self._load
 
     def shutdown(self) -> None:
         """Stop the engine thread (within a step plus IDLE_WAIT_S); pending requests fail."""
@@ -298,15 +302,14 @@ class EngineLoop:
             self._sinks.pop(sink.tag, None)
         return sink.tag, item
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> ReplicaLoad:
         sched, kv = self.engine.scheduler, self.engine.kv
-        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
-                "kv_blocks_total": kv.num_blocks,
-                "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
-                "prefix_queries": sched.stats.prefix_queries,
-                "prefix_hits": sched.stats.prefix_hits,
-                "num_preemptions": sched.stats.num_preemptions,
-                "steps": {kind: t.as_dict() for kind, t in self.engine.step_totals.items()}}
+        return ReplicaLoad(
+            self.role, self.replica_id, num_running=len(sched.running),
+            num_waiting=len(sched.waiting), kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks, prefix_queries=sched.stats.prefix_queries,
+            prefix_hits=sched.stats.prefix_hits, num_preemptions=sched.stats.num_preemptions,
+            steps={kind: t.as_dict() for kind, t in self.engine.step_totals.items()})
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -1,16 +1,40 @@
-"""Typed messages between the router and the disaggregated actors."""
+"""Typed messages between the router and the engine actors."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pd_cluster.outputs import CompletionOutput, RequestOutput
 from pd_cluster.request import FinishReason
 
 
+PREFILL, DECODE = "prefill", "decode"    # engine roles (colocated engines are "decode")
+
 # Outputs a request's stream may run ahead of its consumer; beyond that the actor waits and
 # the engine loop folds the steps that pile up into one output (fewer, larger messages).
 STREAM_BACKPRESSURE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """What one engine replica reports about itself, its `load()` (counters are totals since
+    its start)."""
+
+    role: str                           # PREFILL | DECODE
+    replica_id: int                     # index among the replicas of its role
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0             # held by requests; cached-but-free blocks count as free
+    kv_blocks_total: int = 0
+    prefix_queries: int = 0             # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0                # of which were cached
+    num_preemptions: int = 0
+    kv_bytes_transferred: int = 0       # KV sent (P) or received (D)
+    kv_transfer_seconds: float = 0.0    # time spent in those transfers
+    transport: str = ""                 # KV transport name ("" when it has none)
+    # Engine steps by kind ("prefill" | "decode" | "mixed"): steps, seconds and the work in
+    # them (see pd_cluster.step_totals).
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,13 +25,12 @@ import asyncio
 import collections
 import dataclasses
 import time
-from typing import Any
 
 import ray
 
 from actors.engine_loop import EngineLoop
 from actors.kv_push import KVPusher
-from actors.messages import KVDestination, PrefillResult
+from actors.messages import PREFILL, KVDestination, PrefillResult, ReplicaLoad
 from actors.pool_client import PumpKVCacheClient
 from actors.pool_index import prompt_keys
 from actors.transport_pump import ms_percentiles, open_pump
@@ -49,7 +48,7 @@ class PrefillActor:
     def __init__(self, config: EngineConfig, replica_id: int, transport: str,
                  timeout_s: float = 120.0) -> None:
         self.replica_id, self.timeout_s = replica_id, timeout_s
-        self.loop = EngineLoop(config, timeout_s)
+        self.loop = EngineLoop(config, timeout_s, PREFILL, replica_id)
         engine = self.loop.engine
         self.descriptor, self.pump = open_pump(engine, transport, timeout_s,
                                                f"prefill-{replica_id}-kv")
@@ -191,10 +190,10 @@ class PrefillActor:
         (pooled mode: have the pool refuse its put)."""
         self._fail_next += 1
 
-    async def load(self) -> dict[str, Any]:
-        return {**self.loop.load(), "replica_id": self.replica_id,
-                "kv_bytes_transferred": self.kv_bytes, "kv_transfer_seconds": self.transfer_s,
-                "transport": self.descriptor.backend}
+    async def load(self) -> ReplicaLoad:
+        return dataclasses.replace(self.loop.load(), kv_bytes_transferred=self.kv_bytes,
+                                   kv_transfer_seconds=self.transfer_s,
+                                   transport=self.descriptor.backend)
 
     async def stage_times(self) -> list[tuple[str, float, float, float, float]]:
         """(request id, called, prefilled, destination known, KV landed) of recent requests."""

@@ -14,12 +14,11 @@ Lifecycle of a request on such an actor (ColocatedActor, DecodingActor):
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import ray
 
 from actors.engine_loop import EngineLoop
-from actors.messages import STREAM_BACKPRESSURE
+from actors.messages import STREAM_BACKPRESSURE, ReplicaLoad
 from actors.outbox import Batch, Outbox
 from pd_cluster.sampling_params import SamplingParams
 
@@ -44,6 +43,6 @@ class StreamingEngine:
     async def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
 
-    async def load(self) -> dict[str, Any]:
-        """The engine's load snapshot plus this replica's id (see EngineLoop.load)."""
-        return {**self.loop.load(), "replica_id": self.replica_id}
+    async def load(self) -> ReplicaLoad:
+        """The engine's latest load report (see EngineLoop.load)."""
+        return self.loop.load()

@@ -15,7 +15,7 @@ from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
 from router.output_streams import OutputStreams
-from router.routing import DECODE, ReplicaLoad, Route
+from router.routing import ReplicaLoad, Route
 
 # Load queries slower than this fail; the router keeps its previous reports meanwhile.
 LOAD_TIMEOUT_S = 5.0
@@ -71,11 +71,4 @@ class ColocatedClient:
 
     async def loads(self) -> list[ReplicaLoad]:
         refs = [actor.load.remote() for actor in self.actors]
-        done = await asyncio.wait_for(asyncio.gather(*refs), LOAD_TIMEOUT_S)
-        return [ReplicaLoad(role=DECODE, replica_id=d["replica_id"],
-                            num_running=d["num_running"], num_waiting=d["num_waiting"],
-                            kv_blocks_used=d["kv_blocks_used"],
-                            kv_blocks_total=d["kv_blocks_total"],
-                            prefix_queries=d["prefix_queries"], prefix_hits=d["prefix_hits"],
-                            steps=d["steps"])
-                for d in done]
+        return list(await asyncio.wait_for(asyncio.gather(*refs), LOAD_TIMEOUT_S))

@@ -252,20 +252,10 @@ class DisaggregatedClient:
         live = [(role, i, a) for role, i, a in actors if (role, i) not in self.dead]
         done = await asyncio.wait_for(asyncio.gather(
             *[a.load.remote() for _, _, a in live], return_exceptions=True), LOAD_TIMEOUT_S)
-        loads = []
         for (role, i, _), d in zip(live, done):
-            if isinstance(d, BaseException):
-                if isinstance(d, RayActorError):
-                    self.dead.add((role, i))
-                continue
-            loads.append(ReplicaLoad(
-                role=role, replica_id=i, num_running=d["num_running"],
-                num_waiting=d["num_waiting"], kv_blocks_used=d["kv_blocks_used"],
-                kv_blocks_total=d["kv_blocks_total"], prefix_queries=d["prefix_queries"],
-                prefix_hits=d["prefix_hits"], kv_bytes_transferred=d["kv_bytes_transferred"],
-                kv_transfer_seconds=d["kv_transfer_seconds"], transport=d["transport"],
-                steps=d["steps"]))
-        return loads
+            if isinstance(d, RayActorError):
+                self.dead.add((role, i))
+        return [d for d in done if isinstance(d, ReplicaLoad)]
 
 
 def _unfinished(out: RequestOutput) -> RequestOutput:

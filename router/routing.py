@@ -10,9 +10,10 @@ D reaches `conditional_disagg_threshold` tokens, a prefill replica (otherwise D 
 prompt itself: conditional disaggregation). Loads come from the replicas' reports, polled by
 the router, plus the blocks routed to each replica since its last report, so a burst between
 two polls does not all land on one replica. Which prefixes a replica holds is approximated by
-a router-side LRU of the block hashes routed to it, sized like its KV pool.
+a router-side LRU of the block hashes routed to it, sized like its KV cache.
 
-No Ray import here: the dataclasses are shared with the actors and with tests.
+No Ray import here: the policies run in the router and in tests; the loads they observe are
+the engine actors' reports (ReplicaLoad, actors/messages.py).
 """
 from __future__ import annotations
 
@@ -20,33 +21,13 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from actors.messages import DECODE, PREFILL, ReplicaLoad
 from pd_cluster.block_allocator import prefix_block_hashes
 
-PREFILL, DECODE = "prefill", "decode"
-# Prefix record size per replica until the replica has reported its KV pool size.
+# Prefix record size per replica until the replica has reported its KV cache size.
 DEFAULT_RECORD_BLOCKS = 4096
-
-
-@dataclass(slots=True)
-class ReplicaLoad:
-    """What one engine replica reports about itself (counters are totals since its start)."""
-
-    role: str                           # "prefill" | "decode" (colocated engines are "decode")
-    replica_id: int                     # index among the replicas of its role
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0             # held by requests; cached-but-free blocks count as free
-    kv_blocks_total: int = 0
-    prefix_queries: int = 0             # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0                # of which were cached
-    kv_bytes_transferred: int = 0       # KV sent (P) or received (D)
-    kv_transfer_seconds: float = 0.0    # time spent in those transfers
-    transport: str = ""                 # KV transport name ("" when it has none)
-    # Engine steps by kind ("prefill" | "decode" | "mixed"): steps, seconds and the work in
-    # them (see pd_cluster.step_totals).
-    steps: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from actors.messages import ReplicaLoad
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.routing import Route
@@ -21,24 +22,24 @@ async def collect(client: Any, rid: str, prompt: list[int], params: SamplingPara
     return final
 
 
-def prefilled_tokens(load: dict) -> int:
+def prefilled_tokens(load: ReplicaLoad) -> int:
     """Prompt tokens an engine actor has computed itself (its prefill and mixed steps' chunks),
     from its load report (`actor.load()`, EngineLoop.load)."""
-    steps = load["steps"]
+    steps = load.steps
     return steps["prefill"]["sum_tokens"] + steps["mixed"]["sum_tokens"]
 
 
-def prefilling(load: dict) -> bool:
+def prefilling(load: ReplicaLoad) -> bool:
     """The engine has run a prefill step and still runs a request: mid-prefill of a prompt
     longer than one step's token budget, when it was idle before."""
-    return load["steps"]["prefill"]["steps"] >= 1 and load["num_running"] > 0
+    return load.steps["prefill"]["steps"] >= 1 and load.num_running > 0
 
 
-def idle(load: dict) -> bool:
-    return load["num_running"] == load["num_waiting"] == load["kv_blocks_used"] == 0
+def idle(load: ReplicaLoad) -> bool:
+    return load.num_running == load.num_waiting == load.kv_blocks_used == 0
 
 
-async def wait_loop_idle(loop: Any, timeout_s: float = 10.0) -> dict:
+async def wait_loop_idle(loop: Any, timeout_s: float = 10.0) -> ReplicaLoad:
     """An EngineLoop's load once nothing runs, waits or holds a block (the engine thread
     refreshes it after each step)."""
     try:

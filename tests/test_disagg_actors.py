@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from actors.messages import ReplicaLoad
 from engine_clients import collect, prefilled_tokens, prefilling
 from hf_reference import hf_greedy
 from pd_cluster import LLM, EngineConfig, SamplingParams
@@ -61,7 +62,7 @@ def wait_all_free(client, timeout_s: float):
     assert_all_free(client)
 
 
-def load_of(actor) -> dict:
+def load_of(actor) -> ReplicaLoad:
     return ray.get(actor.load.remote())
 
 

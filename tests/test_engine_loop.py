@@ -55,7 +55,7 @@ def test_concurrent_streams_match_the_engine_alone(loop: EngineLoop, config: Eng
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
         assert len(outs[-1].outputs[0].token_ids) == GREEDY.max_tokens
-    assert run(wait_loop_idle(loop))["kv_blocks_total"] == 24
+    assert run(wait_loop_idle(loop)).kv_blocks_total == 24
 
 
 def test_consumer_that_stops_early_aborts_and_frees_kv(loop: EngineLoop):
