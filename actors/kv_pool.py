@@ -1,5 +1,6 @@
-"""DistributedKVCache: a cluster-wide pool of KV blocks in pinned host memory, keyed by prefix
-block hash (Mooncake's idea): prefill engines put blocks in, decode engines get them out.
+"""DistributedKVCache, the KV pool: a cluster-wide store of KV blocks in pinned host memory,
+keyed by prefix block hash (Mooncake's idea): prefill engines put blocks in, decode engines
+get them out (pooled mode, actors/pool_client.py).
 
 Lifecycle of a put (engine → pool):
     begin_put(peer, keys)  → Grant: pool blocks for the keys not cached yet, reserved under a lease
@@ -27,12 +28,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from actors.pool_index import BlockIndex, Key, RequestKey
 from pd_cluster.kv_layout import KVLayout
-from transfer.base import KVTransport, Transfer, TransferError, TransferState
+from transfer.base import Transfer, TransferError, TransferState
 from transfer.registry import make_transport
 
 
@@ -65,7 +67,7 @@ class _Hold:
 
 
 class DistributedKVCache:
-    """Start with `start_kv_cache(...)`; see the module docstring for the protocol."""
+    """Start with `start_pool(...)`; see the module docstring for the protocol."""
 
     def __init__(self, layout: KVLayout, backend: str = "nixl", name: str | None = None,
                  timeout_s: float = 30.0, lease_s: float = 10.0, device: str = "cpu",
@@ -111,7 +113,7 @@ class DistributedKVCache:
             if hold is not None and len(blocks) < len(missing):
                 self.index.free_ids.extend(blocks)
                 self.release(hold)
-                raise TransferError(f"the KV cache has no room for {len(missing)} more blocks "
+                raise TransferError(f"the KV pool has no room for {len(missing)} more blocks "
                                     f"(hold {hold})")
             missing = missing[:len(blocks)]  # the pool may be full of pinned blocks
             grant = Grant(uuid.uuid4().hex, blocks, [keys[i] for i in missing], missing)
@@ -154,11 +156,6 @@ class DistributedKVCache:
             if h is not None:
                 self.index.pin(h.blocks, -1)
                 self._drop_request_keys(h.keys)
-
-    def contains(self, keys: Sequence[Key]) -> int:
-        """How many leading keys are cached (without counting as hits)."""
-        with self._lock:
-            return next((i for i, k in enumerate(keys) if k not in self.index.cached), len(keys))
 
     def stats(self) -> dict:
         with self._lock:
@@ -283,61 +280,9 @@ class DistributedKVCache:
             del self._pending[tid]
 
 
-class KVCacheClient:
-    """An engine's side of a DistributedKVCache: moves its own KV blocks in and out."""
-
-    def __init__(self, pool, transport: KVTransport):
-        self.pool, self.transport = pool, transport
-        self.pool_name = transport.connect(self._call("descriptor"))
-        self._call("connect", transport.descriptor().encode())
-
-    def put(self, keys: Sequence[Key], block_ids: Sequence[int]) -> int:
-        """Store our `block_ids` under `keys` (one per block); returns how many were new."""
-        grant = self._call("begin_put", self.transport.name, list(keys))
-        confirm = self.pool.end_put.remote(grant.transfer_id)
-        self._move(self.transport.write, grant, block_ids)
-        return self._call("end_put", ref=confirm)
-
-    def get(self, keys: Sequence[Key], block_ids: Sequence[int]) -> int:
-        """Fill our `block_ids` with the longest cached prefix of `keys`; returns its length."""
-        grant = self._call("begin_get", self.transport.name, list(keys))
-        confirm = self.pool.end_get.remote(grant.transfer_id)
-        self._move(self.transport.read, grant, block_ids)
-        return self._call("end_get", ref=confirm)
-
-    def _move(self, start, grant: Grant, block_ids: Sequence[int]) -> None:
-        """Move the granted blocks and wait. put/get ask for the pool's confirmation (end_*)
-        before this: it waits for the DONE notice (or our ABORT), so its Ray round trip
-        overlaps the transfer instead of following it."""
-        if not grant.block_ids:
-            return
-        t = start(self.pool_name, [block_ids[i] for i in grant.positions], grant.block_ids,
-                  transfer_id=grant.transfer_id)
-        try:
-            self.transport.wait(t)
-        except TransferError as e:
-            # One that failed to start sent no ABORT: free the pool's blocks (and its
-            # waiting end_*) now, not at lease expiry. The pool may be gone: best effort.
-            self.pool.abort.remote(grant.transfer_id, f"the client's transfer failed: {e}")
-            raise
-        finally:
-            self.transport.release(t)
-
-    def _call(self, method: str, *args, ref=None):
-        import ray
-
-        try:
-            if ref is None:
-                ref = getattr(self.pool, method).remote(*args)
-            return ray.get(ref, timeout=2 * self.transport.timeout_s)
-        except ray.exceptions.RayActorError as e:
-            raise TransferError(f"the KV cache actor died during {method}: {e}") from e
-        except ray.exceptions.GetTimeoutError as e:
-            raise TransferError(f"the KV cache actor did not answer {method} in time") from e
-
-
-def start_kv_cache(layout: KVLayout, backend: str = "nixl", num_cpus: float = 0, **kwargs):
-    """Start a DistributedKVCache actor (methods may wait, so a few run concurrently)."""
+def start_pool(layout: KVLayout, backend: str = "nixl", num_cpus: float = 0, **kwargs) -> Any:
+    """Start the KV pool, a DistributedKVCache actor (methods may wait, so a few run
+    concurrently)."""
     import ray
 
     return ray.remote(DistributedKVCache).options(

@@ -30,7 +30,6 @@ class Destination:
     skip_blocks: int = 0                  # leading blocks it holds already (its prefix hit)
     sent_upto: int = 0                    # prompt tokens whose writes have been issued
     pending: list[tuple] = field(default_factory=list)  # writes waiting for the destination
-    error: str | None = None              # set by fail(): the transfer counts as failed
     transfers: list[Transfer] = field(default_factory=list)
     transfer_ids: list[str] = field(default_factory=list)
 
@@ -124,11 +123,10 @@ class KVPusher:
         write landed; fails if one failed. Forgets the request either way."""
         def settle(tr: KVTransport) -> Future:
             d = self.dests.pop(request_id)
-            if d.remote_blocks is None or d.error:
+            if d.remote_blocks is None:
                 for t in d.transfers:
                     tr.release(t)
-                raise TransferError(f"{request_id}: " + (
-                    d.error or "the decode side never gave a destination"))
+                raise TransferError(f"{request_id}: the decode side never gave a destination")
             done = self.pump.wait_all(d.transfers,
                                       on_end=lambda: [tr.release(t) for t in d.transfers])
             out: Future = Future()
@@ -136,16 +134,6 @@ class KVPusher:
                                    else out.set_result(d.transfer_ids))
             return out
         return _chain(self.pump.call(settle))
-
-    def fail(self, request_id: str, reason: str) -> None:
-        """Fail the request's transfer: its writes are aborted (the peer is told) and
-        `finish` reports the failure, whether or not the bytes had landed."""
-        def abort_all(tr: KVTransport) -> None:
-            d = self.dests[request_id]
-            d.error = reason
-            for t in d.transfers:
-                tr.abort(t, reason)
-        self.pump.call(abort_all)
 
     def abort(self, request_id: str) -> None:
         """Stop pushing a request; its in-flight writes are aborted (the peer is told)."""

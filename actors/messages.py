@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from actors.pool_index import Key
 from pd_cluster.outputs import CompletionOutput, RequestOutput
 from pd_cluster.request import FinishReason
 
@@ -39,32 +40,45 @@ class ReplicaLoad:
 
 @dataclass(frozen=True, slots=True)
 class KVDestination:
-    """Where a prefill engine writes a request's prompt KV: a decode engine's reserved blocks."""
+    """A decode engine's reservation of a request's prompt KV: the blocks it goes into (the
+    push handoff writes them from the prefill engine; the pool handoff reads them from the
+    pool)."""
 
-    pool: bytes                  # the decode engine's encoded KVDescriptor
+    descriptor: bytes            # the decode engine's encoded KVDescriptor
     agent: str                   # its transport agent name
     block_ids: list[int]         # blocks for the whole prompt, in order
     num_cached_tokens: int       # prompt tokens the decode engine already holds (not re-sent)
 
 
 @dataclass(frozen=True, slots=True)
+class PushedKV:
+    """Push handoff: the prompt KV is in the decode engine's reserved blocks, written there by
+    these transfers of the prefill engine."""
+
+    descriptor: bytes                     # the prefill engine's encoded KVDescriptor
+    agent: str                            # its transport agent name
+    transfer_ids: list[str]               # the writes the decode engine must see completed
+
+
+@dataclass(frozen=True, slots=True)
+class PooledKV:
+    """Pool handoff: the prompt KV is in the KV pool, one key per prompt block, held there for
+    the decode engine under the request id (it reads the blocks it lacks, then ends the hold)."""
+
+    keys: list[Key]
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillResult:
-    """What the prefill engine hands over once every KV write has landed (push mode: in the
-    decode engine's blocks; pooled mode: in the DistributedKVCache)."""
+    """What the prefill engine hands over once the prompt KV is where its handoff puts it."""
 
     token: int                            # the first generated token
     logprobs: dict[int, float] | None
-    pool: bytes                           # the prefill engine's encoded KVDescriptor
-    agent: str
-    transfer_ids: list[str]               # the writes the decode engine must see completed
+    kv: PushedKV | PooledKV               # where the prompt KV is
     num_cached_tokens: int                # prompt tokens the prefill engine found cached
-    kv_bytes: int                         # bytes it wrote
-    transfer_s: float                     # from its first write to the last completion
+    kv_bytes: int                         # bytes it moved
+    transfer_s: float                     # from the handover's start to the KV in place
     first_output: RequestOutput           # the prefill engine's output for the first token
-    # Pooled mode: the DistributedKVCache key of each prompt block, held there for the decode
-    # engine under the request id (which reads the blocks it lacks, then releases the hold).
-    # None in push mode.
-    pool_keys: list | None = None
 
 
 @dataclass(slots=True)

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from transfer.base import KVTransport, Transfer, TransferError, TransferState
-from transfer.messages import KVDescriptor
-from transfer.registry import make_transport
 
 
 @dataclass(eq=False)
@@ -161,10 +159,3 @@ def ms_percentiles(name: str, seconds) -> dict:
     return {f"{name}_{label}_ms": round(v[int(q * (len(v) - 1))] * 1e3, 2) if v else None
             for label, q in (("p50", 0.5), ("p90", 0.9), ("max", 1.0))}
 
-
-def open_pump(engine: Any, transport: str, timeout_s: float,
-              name: str) -> tuple[KVDescriptor, TransportPump]:
-    """Register an engine's KV pool with a new transport of the named backend, and pump it."""
-    tr = make_transport(transport, timeout_s=timeout_s)
-    tr.register(engine.kv_cache, engine.kv_layout)
-    return tr.descriptor(), TransportPump(tr, name=name)

@@ -21,7 +21,8 @@ import time
 import ray
 import torch
 
-from actors.kv_pool import DistributedKVCache, KVCacheClient
+from actors.kv_pool import DistributedKVCache
+from actors.pool_client import BlockingPoolClient
 from pd_cluster.kv_layout import KVLayout
 from transfer.registry import make_transport
 
@@ -96,7 +97,7 @@ class Side:
                 done[i] = time.perf_counter()
 
     def pool_round_trip(self, pool, iters: int) -> tuple[list[float], list[float]]:
-        client = KVCacheClient(pool, self.t)
+        client = BlockingPoolClient(pool, self.t)
         puts, gets = [], []
         for i in range(iters):
             keys = [(i << 32) | b for b in self.blocks]  # fresh prefix hashes: nothing cached

@@ -1,18 +1,20 @@
 """DisaggregatedClient: the router's EngineClient over prefill and decode actors.
 
-One request, push mode (DESIGN.md):
+How the prompt's KV gets from P to D is the deployment's KVHandoff (actors/handoff.py),
+chosen once from the mode: PushHandoff (`disaggregated`) or PoolHandoff (`pooled`, through the
+KV pool). At start, once every replica is up, the client connects it (P–D channels, or the
+KV pool) and opens it on every replica. One request:
     1. D.reserve      blocks for the prompt on the decode replica the route names
-    2. P.prefill      the prefill replica computes the prompt and pushes its KV layer by layer
-    3. D.decode       D waits for the writes to land, then streams tokens
-Pooled mode (DESIGN.md): P and D never address each other. At start the client makes one
-DistributedKVCache (sized like a prefill engine's pool, on the same transport) and attaches
-every engine to it. 1 is the same; in 2 P puts the prompt's blocks into the pool under a hold
-named by the attempt id; in 3 D reads the blocks it lacks from there and ends the hold. A
-hold that nobody ends (abort, a dead D) is released by the client, else expires in the pool.
+    2. P.prefill      the prefill replica computes the prompt and hands its KV over (push:
+                      layer by layer into D's blocks, while D still reserves)
+    3. D.decode       D obtains the KV (push: waits for the writes to land; pool: reads the
+                      blocks it lacks), then streams tokens
+What the handoff leaves outside the engines (the pool's hold on a prompt's blocks) the client
+releases when the attempt ends early (abort, a dead D); else it expires in the pool.
 Failures, by where they happen:
     - no room on D at reserve        → D prefills it itself (it queues there)
-    - P died, or its transfer failed → `prefill_failure_policy`: recompute (another live P,
-      (pooled: its put to the pool)    else D itself) or fail
+    - P died, or its handover failed → `prefill_failure_policy`: recompute (another live P,
+                                       else D itself) or fail
     - D died mid-stream              → re-run on another live D from prompt + tokens already
                                        streamed; the caller sees one continuous stream
     - no live D left                 → EngineUnavailable
@@ -31,8 +33,9 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.decode_actor import DecodingActor
-from actors.kv_pool import start_kv_cache
+from actors.handoff import KVHandoff, PushHandoff
 from actors.messages import StreamAccumulator, StreamDelta
+from actors.pool_client import PoolHandoff
 from actors.prefill_actor import PrefillActor
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
@@ -40,7 +43,6 @@ from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
 from router.output_streams import OutputStreams
 from router.routing import DECODE, PREFILL, ReplicaLoad, Route
-from transfer.messages import KVDescriptor
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 5.0
@@ -54,10 +56,10 @@ class EngineUnavailable(RuntimeError):
 
 class DisaggregatedClient:
     def __init__(self, prefill: Sequence[Any], decode: Sequence[Any], recompute: bool = True,
-                 pooled: bool = False, timeout_s: float = 120.0):
+                 handoff: KVHandoff | None = None, timeout_s: float = 120.0):
         self.prefill, self.decode = list(prefill), list(decode)
-        self.recompute, self.pooled, self.timeout_s = recompute, pooled, timeout_s
-        self.kv_cache: Any = None   # pooled mode: the DistributedKVCache, once ready
+        self.recompute, self.timeout_s = recompute, timeout_s
+        self.handoff = handoff or PushHandoff()
         self.dead: set[tuple[str, int]] = set()
         self.streams = OutputStreams()       # D's outputs, one Ray stream per D
         self._tasks: set[asyncio.Task] = set()
@@ -79,32 +81,18 @@ class DisaggregatedClient:
             engine, i, config.transport, timeout) for i in range(config.num_prefill)]
         d = [DecodingActor.options(**actor_options[DECODE]).remote(
             engine, i, config.transport, timeout) for i in range(config.num_decode)]
-        return cls(p, d, config.prefill_failure_policy == "recompute",
-                   config.mode == "pooled", timeout)
+        handoff = PoolHandoff(timeout) if config.mode == "pooled" else PushHandoff()
+        return cls(p, d, config.prefill_failure_policy == "recompute", handoff, timeout)
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Every replica has loaded its model, and every P–D pair is connected both ways
-        (pooled mode: every replica to the DistributedKVCache)."""
+        """Every replica has loaded its model, and the KV handoff is open on each (push: every
+        P–D pair connected both ways; pool: every replica to the KV pool)."""
         async def ready() -> None:
             await asyncio.gather(*[a.load.remote() for a in self.prefill + self.decode])
             await asyncio.gather(*[self.streams.subscribe((DECODE, i), d, timeout_s)
                                    for i, d in enumerate(self.decode)])
-            p_pools = await asyncio.gather(*[p.pool.remote() for p in self.prefill])
-            if self.pooled:
-                await self._start_kv_cache(KVDescriptor.decode(p_pools[0]))
-                return
-            d_pools = await asyncio.gather(*[d.pool.remote() for d in self.decode])
-            await asyncio.gather(*[d.connect.remote(p_pools) for d in self.decode],
-                                 *[p.connect.remote(d_pools) for p in self.prefill])
+            await self.handoff.connect(self.prefill, self.decode)
         await asyncio.wait_for(ready(), timeout_s)
-
-    async def _start_kv_cache(self, prefill_pool: KVDescriptor) -> None:
-        # As many blocks as a prefill engine's pool, on its transport: room for what a
-        # prefill engine holds at once, plus a prefix cache the size of one.
-        self.kv_cache = start_kv_cache(prefill_pool.layout, prefill_pool.backend,
-                                       timeout_s=self.timeout_s)
-        await asyncio.gather(*[a.attach_kv_cache.remote(self.kv_cache)
-                               for a in self.prefill + self.decode])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
@@ -136,7 +124,7 @@ class DisaggregatedClient:
                         yield acc.add(delta)
                     return
                 except RayActorError as e:
-                    self._release_kv(attempt_id)
+                    self.handoff.release(attempt_id)
                     self.dead.add((DECODE, d_id))
                     d_id = self._live(DECODE, exclude=d_id, cause=e)
                     attempt += 1
@@ -158,14 +146,14 @@ class DisaggregatedClient:
         self._where[request_id] = (attempt_id, None, d)
         if route.prefill_id is not None:
             # Reserve on D and prefill on P at once: P needs D's blocks only for its first
-            # writes (pooled: not at all), so the reservation's round trip stays off the TTFT path.
-            dest = d.reserve.remote(attempt_id, prompt, params)
+            # writes (pool: not at all), so the reservation's round trip stays off the TTFT path.
+            reservation = d.reserve.remote(attempt_id, prompt, params)
             result = await self._prefill(request_id, attempt_id, prompt, params,
-                                         None if self.pooled else [dest], route.prefill_id, d)
+                                         self.handoff.destination(reservation),
+                                         route.prefill_id, d)
             self._where[request_id] = (attempt_id, None, d)
-            if result is not None and self.pooled and await dest is None:
-                self._release_kv(attempt_id)   # D had no room: it prefills itself, below
-                result = None
+            if result is not None:   # None from accept: D had no room, it prefills below
+                result = await self.handoff.accept(attempt_id, result, reservation)
             if result is not None:
                 # With stop strings, D must judge the first token's text with the next.
                 early = None if params.stop else StreamDelta.of(_unfinished(result.first_output))
@@ -189,16 +177,16 @@ class DisaggregatedClient:
         task.add_done_callback(self._tasks.discard)
 
     async def _prefill(self, request_id: str, attempt_id: str, prompt: list[int],
-                       params: SamplingParams, dest: list | None, p_id: int, d: Any):
+                       params: SamplingParams, destination: list | None, p_id: int, d: Any):
         """The PrefillResult, or None when D should prefill itself (recompute policy).
-        `dest`: [D's reservation ref] (push mode) or None (pooled mode)."""
+        `destination`: the handoff's, for P."""
         tried: set[int] = set()
         while True:
             p = self.prefill[p_id]
             self._where[request_id] = (attempt_id, p, d)
             try:
                 return await _renewing(d, attempt_id, p.prefill.remote(attempt_id, prompt,
-                                                                        params, dest))
+                                                                        params, destination))
             except (RayActorError, RayTaskError) as e:
                 if isinstance(e, RayActorError):
                     self.dead.add((PREFILL, p_id))
@@ -210,7 +198,7 @@ class DisaggregatedClient:
                 log.warning("prefill of %s failed on prefill %d (%s)", request_id, p_id,
                             _reason(e))
                 if isinstance(e, RayTaskError):
-                    # The transfer failed (or D had no room) but P lives: D's reserved blocks
+                    # The handover failed (or D had no room) but P lives: D's reserved blocks
                     # may be half written, so D recomputes the prompt itself.
                     await d.abort.remote(attempt_id)
                     return None
@@ -234,12 +222,7 @@ class DisaggregatedClient:
         for actor in (p, d):
             if actor is not None:
                 actor.abort.remote(attempt_id)
-        self._release_kv(attempt_id)
-
-    def _release_kv(self, attempt_id: str) -> None:
-        """Pooled mode: end the attempt's hold in the KV cache (a no-op once D has read it)."""
-        if self.kv_cache is not None:
-            self.kv_cache.release.remote(attempt_id)
+        self.handoff.release(attempt_id)
 
     async def abort(self, request_id: str) -> None:
         where = self._where.get(request_id)

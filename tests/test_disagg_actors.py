@@ -17,20 +17,34 @@ from waiting import wait_until, wait_until_async
 
 ray = pytest.importorskip("ray")
 from actors.decode_actor import DecodingActor  # noqa: E402
+from actors.handoff import PushHandoff  # noqa: E402
 from router.disagg_client import DisaggregatedClient, EngineUnavailable  # noqa: E402
 from actors.prefill_actor import PrefillActor  # noqa: E402
+from transfer.base import TransferError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def start(model_dir, transport, num_p=1, num_d=1, recompute=True, lease_s=60.0, **engine):
+class FailingPush(PushHandoff):
+    """The push handoff whose writes fail once P has prefilled the prompt (as they do when D
+    is unreachable): P aborts them and reports the failure."""
+
+    async def send(self, request_id, prompt_ids, destination, prefill):
+        async def prefill_then_fail():
+            await prefill()
+            raise TransferError(f"{request_id}: the KV writes failed")
+        return await super().send(request_id, prompt_ids, destination, prefill_then_fail)
+
+
+def start(model_dir, transport, num_p=1, num_d=1, recompute=True, lease_s=60.0, handoff=None,
+          **engine):
     cfg = EngineConfig(model=model_dir, block_size=16, **engine)
     p = [PrefillActor.options(num_cpus=0).remote(cfg, i, transport, 30.0)
          for i in range(num_p)]
     d = [DecodingActor.options(num_cpus=0).remote(cfg, i, transport, 30.0, lease_s)
          for i in range(num_d)]
-    client = DisaggregatedClient(p, d, recompute)
+    client = DisaggregatedClient(p, d, recompute, handoff)
     asyncio.run(client.wait_ready(120))
     return client
 
@@ -201,13 +215,12 @@ def test_killed_prefillers_mid_prefill_fall_back_to_another_then_to_the_decoder(
 def test_failed_transfer_follows_the_policy(tiny, recompute):
     prompt = list(range(10, 60))
     expected = LLM(tiny).generate([prompt], GREEDY)[0].outputs[0].token_ids
-    client = start(tiny, "nixl", recompute=recompute)
+    client = start(tiny, "nixl", recompute=recompute, handoff=FailingPush())
     try:
-        ray.get(client.prefill[0].fail_next_transfer.remote())
         if recompute:
             assert run_all(client, [prompt]) == [expected]
         else:
-            with pytest.raises(EngineUnavailable, match="injected transfer failure"):
+            with pytest.raises(EngineUnavailable, match="the KV writes failed"):
                 run_all(client, [prompt])
         assert prefilled_tokens(load_of(client.prefill[0])) == len(prompt)
         # recompute: D prefilled the prompt itself after P's transfer failed; fail: it did not.

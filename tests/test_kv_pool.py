@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.kv_pool import BlockIndex, DistributedKVCache, KVCacheClient
+from actors.kv_pool import BlockIndex, DistributedKVCache
 from kv_support import FreeList, blocks, model_kv, paged_kv, tiny_layout
 from transfer.base import TransferError
 
 ray = pytest.importorskip("ray")
+from actors.pool_client import BlockingPoolClient  # noqa: E402
 
 BACKENDS = ["nixl", "ucx", "ray"]
 LAYOUT = tiny_layout()
@@ -43,7 +44,7 @@ class PoolUser:
         self.client, self.grant = None, None
 
     def attach(self, pool) -> None:
-        self.client = KVCacheClient(pool, self.t)
+        self.client = BlockingPoolClient(pool, self.t)
 
     def put(self, keys: list) -> int:
         return self.client.put(keys, self.prompt)
@@ -106,7 +107,6 @@ def cluster(request, ray_cluster, kv):
 def test_put_then_get_through_the_pool_is_byte_exact(cluster, kv) -> None:
     _, pool, writer, reader = cluster
     assert ray.get(writer.put.remote(KEYS)) == 6
-    assert ray.get(pool.contains.remote(KEYS + [b"zz"])) == 6
     assert ray.get(writer.put.remote(KEYS)) == 0  # already cached: nothing moves
     n, got = ray.get(reader.get.remote(KEYS[:4] + [b"miss", KEYS[5]]))
     assert n == 4 and torch.equal(got, paged_kv(LAYOUT, kv, list(range(6)))[:, :, :4])
@@ -118,16 +118,16 @@ def test_full_pool_evicts_least_recently_used_prefixes(cluster) -> None:
     _, pool, writer, _ = cluster
     ray.get(writer.put.remote(KEYS))
     assert ray.get(writer.put.remote([b"n0", b"n1", b"n2", b"n3"])) == 4  # 8-block pool
-    assert ray.get(pool.contains.remote([b"n0", b"n1", b"n2", b"n3"])) == 4
+    assert ray.get(writer.put.remote([b"n0", b"n1", b"n2", b"n3"])) == 0  # all still cached
     assert ray.get(pool.stats.remote())["evictions"] >= 2
 
 
 def test_abort_by_the_pool_fails_the_put_and_frees_its_blocks(cluster) -> None:
-    _, pool, writer, _ = cluster
+    _, pool, writer, reader = cluster
     tid = ray.get(writer.begin.remote("put", [b"a0", b"a1"]))
     ray.get(pool.abort.remote(tid, "pool is draining"))
     assert "pool is draining" in ray.get(writer.complete.remote("put"))
-    assert ray.get(pool.contains.remote([b"a0"])) == 0
+    assert ray.get(reader.get.remote([b"a0"]))[0] == 0      # never cached
 
 
 def test_an_expired_lease_frees_a_stalled_put(cluster) -> None:

@@ -1,6 +1,6 @@
 """Pooled mode with real Ray actors: KV goes P → DistributedKVCache → D. Output equal to
 colocated and HF for each CPU transport, a shared prefix found in the pool, and an abort, a
-refused put and a killed decoder each ending with every pool (P, D, the KV cache) free."""
+refused put and a killed decoder each ending with every engine and the KV pool free."""
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +28,7 @@ POOL_IDLE = ("reserved", "pinned", "holds", "in_flight", "request_blocks")
 
 
 def start(model_dir: str, transport: str, num_decode: int = 1):
-    # Small KV pools (8 sequences of 512 tokens) keep the engines and the KV cache light.
+    # Small KV caches (8 sequences of 512 tokens) keep the engines and the KV pool light.
     config = AppConfig.from_args({"mode": "pooled", "transport": transport,
                                   "num_decode": num_decode,
                                   "engine": {"model": model_dir, "max_model_len": 512,
@@ -40,7 +40,7 @@ def start(model_dir: str, transport: str, num_decode: int = 1):
 
 
 def shutdown(client) -> None:
-    for a in [*client.prefill, *client.decode, client.kv_cache]:
+    for a in [*client.prefill, *client.decode, client.handoff.pool]:
         ray.kill(a)
 
 
@@ -56,11 +56,11 @@ def run_all(client, prompts, prefix="q", route=Route(0, 0)):
 
 
 def pool_stats(client) -> dict:
-    return ray.get(client.kv_cache.stats.remote())
+    return ray.get(client.handoff.pool.stats.remote())
 
 
 def assert_all_free(client, within_s: float = 10.0) -> None:
-    """Every live engine holds no block and runs nothing; the KV cache holds nothing for any
+    """Every live engine holds no block and runs nothing; the KV pool holds nothing for any
     request (cached prefix blocks are free to evict, like an engine's cached free blocks)."""
     def free() -> bool:
         loads[:], stats[:] = asyncio.run(client.loads()), [pool_stats(client)]
@@ -170,7 +170,9 @@ def test_shared_prefix_is_read_from_the_pool(pooled, tiny):
 @pytest.mark.parametrize("pooled", ["nixl"], indirect=True)
 def test_refused_put_recomputes_on_the_decoder(pooled, expected):
     before = prefilled_tokens(ray.get(pooled.decode[0].load.remote()))
-    ray.get(pooled.prefill[0].fail_next_transfer.remote())
+    # The request's hold is released before its put, as when an abort overtakes the put:
+    # the pool refuses the put, so P's handover fails.
+    ray.get(pooled.handoff.pool.release.remote("f0"))
     final = asyncio.run(collect(pooled, "f0", PROMPTS[0]))
     assert final.outputs[0].token_ids == expected[0]
     # D computed the prompt itself, past what its own prefix cache held.
@@ -180,7 +182,7 @@ def test_refused_put_recomputes_on_the_decoder(pooled, expected):
 
 
 @pytest.mark.parametrize("pooled", ["nixl"], indirect=True)
-def test_aborts_at_every_stage_free_every_pool(pooled):
+def test_aborts_at_every_stage_free_every_engine_and_the_pool(pooled):
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def go():
@@ -189,7 +191,7 @@ def test_aborts_at_every_stage_free_every_pool(pooled):
         # The offsets are the behaviour under test: cancels landing at different points of
         # a request's life (prefill, the put, the read, decode). Those points pass within
         # milliseconds inside the actors and cannot be watched from here without changing
-        # them; what is asserted (every pool free) holds wherever each cancel lands.
+        # them; what is asserted (everything free) holds wherever each cancel lands.
         for task, delay in zip(tasks, (0.0, 0.005, 0.02, 0.05, 0.1, 0.3)):
             await asyncio.sleep(delay)
             task.cancel()
@@ -198,7 +200,7 @@ def test_aborts_at_every_stage_free_every_pool(pooled):
     assert_all_free(pooled)
 
 
-def test_killed_decoder_continues_on_another_and_frees_every_pool(ray_cluster, tiny):
+def test_killed_decoder_continues_on_another_and_frees_everything(ray_cluster, tiny):
     prompt = list(range(10, 50))
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     want = LLM(tiny).generate([prompt], params)[0].outputs[0].token_ids

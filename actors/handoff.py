@@ -1,0 +1,228 @@
+"""KVHandoff: how a prompt's KV gets from the prefill engine (P) to the decode engine (D).
+
+One strategy per deployment, chosen once from the mode by the router's DisaggregatedClient
+and shared by it and both engine actors:
+
+    PushHandoff (mode `disaggregated`): after each layer P writes that layer's blocks into
+        blocks D reserved, so the transfer overlaps the next layer; D waits for the writes.
+    PoolHandoff (mode `pooled`, actors/pool_client.py): after the prefill P puts the prompt's
+        blocks into the KV pool, held there for D under the attempt id; D reads the blocks
+        it lacks and ends the hold. P and D never address each other.
+
+Lifecycle: the router makes one and, once every replica is up, `connect`s it, which gives
+every engine actor a copy (`open_handoff`); the actor opens it for its role with its
+KVEndpoint (`open_prefill` / `open_decode`). Then, for each attempt at a request:
+    router  destination(reservation)          what P.prefill is told of where the KV goes
+    P       send(id, prompt, destination, prefill) → runs the prefill, hands the KV over
+    router  accept(id, result, reservation)   the result for D.decode; None: D prefills it
+    D       receive(id, reservation, result)  returns once the KV is in D's reserved blocks
+    router  release(id)                       ends what the attempt left outside the engines
+    P       abort(id)                         stops handing over an aborted request's KV
+A failed handover raises in `send` (P) or `receive` (D); the caller frees the engine's side.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from actors.engine_loop import EngineLoop
+from actors.kv_push import KVPusher, expect_transfers
+from actors.messages import KVDestination, PooledKV, PrefillResult, PushedKV, ReplicaLoad
+from actors.transport_pump import TransportPump
+from pd_cluster.kv_layout import KVLayout
+from pd_cluster.outputs import RequestOutput
+from transfer.messages import KVDescriptor
+from transfer.registry import make_transport
+
+Prefill = Callable[[], Awaitable[RequestOutput]]   # runs a prompt's prefill: its last output
+
+
+class KVEndpoint:
+    """An engine actor's end of the handoff: its engine loop, a transport registered over the
+    engine's KV cache (owned by a TransportPump), the peers it has connected to, and the KV it
+    has moved."""
+
+    def __init__(self, loop: EngineLoop, transport: str, timeout_s: float, name: str) -> None:
+        tr = make_transport(transport, timeout_s=timeout_s)
+        tr.register(loop.engine.kv_cache, loop.engine.kv_layout)
+        self.loop, self.timeout_s = loop, timeout_s
+        self.descriptor = tr.descriptor()
+        self.encoded_descriptor = self.descriptor.encode()
+        self.pump = TransportPump(tr, name=name)
+        self.kv_bytes, self.transfer_s = 0, 0.0
+        self._peers: set[str] = set()
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.descriptor.layout
+
+    def bytes_of(self, num_blocks: int) -> int:
+        """Bytes of `num_blocks` blocks, K and V of every layer."""
+        return num_blocks * self.layout.block_bytes * 2 * self.layout.num_layers
+
+    async def connect(self, descriptor: bytes) -> str:
+        """Open a channel to a peer's KV cache, once per peer; returns the peer's agent name."""
+        peer = KVDescriptor.decode(descriptor)
+        if peer.agent not in self._peers:
+            await asyncio.wrap_future(self.pump.call(lambda tr: tr.connect(peer)))
+            self._peers.add(peer.agent)
+        return peer.agent
+
+    def count(self, nbytes: int, seconds: float) -> None:
+        """KV moved: `nbytes` in `seconds`, for the load report."""
+        self.kv_bytes += nbytes
+        self.transfer_s += seconds
+
+    def load(self) -> ReplicaLoad:
+        """The engine's load report, with the KV this end has moved."""
+        return dataclasses.replace(self.loop.load(), kv_bytes_transferred=self.kv_bytes,
+                                   kv_transfer_seconds=self.transfer_s,
+                                   transport=self.descriptor.backend)
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """What P's side of a handoff did with one prompt."""
+
+    last: RequestOutput         # the prefill's last output (the first token's)
+    kv: PushedKV | PooledKV     # where the prompt KV is now
+    kv_bytes: int               # bytes moved
+    prefilled: float            # monotonic: the prefill was done
+    started: float              # monotonic: the handover began (push: once D's blocks were known)
+
+
+class KVHandoff(ABC):
+    """See the module docstring. The router's instance is copied to the engine actors; each
+    copy then holds its actor's side."""
+
+    # -- the router's side ---------------------------------------------------------------
+    @abstractmethod
+    async def connect(self, prefill: Sequence[Any], decode: Sequence[Any]) -> None:
+        """Once every replica is up: open the handoff on each of them (`open_handoff`)."""
+
+    @abstractmethod
+    def destination(self, reservation: Any) -> list | None:
+        """What P.prefill is told of where the KV goes; `reservation`: D.reserve's ObjectRef."""
+
+    async def accept(self, attempt_id: str, result: PrefillResult,
+                     reservation: Any) -> PrefillResult | None:
+        """The result D decodes from, or None when D should prefill the prompt itself."""
+        return result
+
+    def release(self, attempt_id: str) -> None:
+        """End what the attempt left outside the engines (fire and forget)."""
+
+    # -- the prefill engine's side ---------------------------------------------------------
+    @abstractmethod
+    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> None:
+        """Ready P's side; `peers`: the decode engines' KV descriptors (push only)."""
+
+    @abstractmethod
+    async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
+                   prefill: Prefill) -> Handover:
+        """Run `prefill` (its KV blocks stay held) and hand the prompt's KV over."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop handing over the request's KV (it was aborted)."""
+
+    def timeline(self) -> list[tuple[str, int, float]]:
+        """Per-layer ("computed" | "posted", layer, time) marks of a layer-wise handover."""
+        return []
+
+    # -- the decode engine's side -----------------------------------------------------------
+    @abstractmethod
+    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
+        """Ready D's side; `peers`: the prefill engines' KV descriptors (push only)."""
+
+    @abstractmethod
+    async def receive(self, request_id: str, reservation: KVDestination,
+                      result: PrefillResult) -> None:
+        """Return once the prompt KV of `result` is in D's reserved blocks; raise if it
+        cannot be."""
+
+
+def opened(handoff: KVHandoff | None) -> KVHandoff:
+    """An actor's handoff, once the router has opened it."""
+    if handoff is None:
+        raise RuntimeError("no KV handoff yet: the router opens one when every replica is up")
+    return handoff
+
+
+class PushHandoff(KVHandoff):
+    """Layer-wise writes from P into D's reserved blocks (actors/kv_push.py)."""
+
+    async def connect(self, prefill: Sequence[Any], decode: Sequence[Any]) -> None:
+        # Both ways: two-sided transports (ucx, ray) acknowledge each write, and control
+        # messages (leases, aborts) flow back too.
+        p_kv = await asyncio.gather(*[p.kv_descriptor.remote() for p in prefill])
+        d_kv = await asyncio.gather(*[d.kv_descriptor.remote() for d in decode])
+        await asyncio.gather(*[p.open_handoff.remote(self, d_kv) for p in prefill],
+                             *[d.open_handoff.remote(self, p_kv) for d in decode])
+
+    def destination(self, reservation: Any) -> list:
+        # In a list, so the ref reaches P unresolved: P starts while D still reserves.
+        return [reservation]
+
+    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> None:
+        self.end = end
+        self.pusher = KVPusher(end.pump, end.layout.block_size, end.loop.engine.runner.device)
+        end.loop.listener = self.pusher
+        for peer in peers:
+            await end.connect(peer)
+
+    async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
+                   prefill: Prefill) -> Handover:
+        end = self.end
+        self.pusher.add(request_id)
+        reserved = asyncio.ensure_future(self._reserved(request_id, destination[0]))
+        ok = False
+        try:
+            last = await prefill()
+            prefilled = time.monotonic()
+            dest = await asyncio.wait_for(reserved, end.timeout_s)
+            started = time.monotonic()
+            ids = await asyncio.wait_for(asyncio.wrap_future(self.pusher.finish(request_id)),
+                                         end.timeout_s)
+            ok = True
+        finally:
+            if not ok:
+                reserved.cancel()
+                self.pusher.abort(request_id)
+        bs = end.layout.block_size
+        sent_blocks = -(-len(prompt_ids) // bs) - dest.num_cached_tokens // bs
+        return Handover(last, PushedKV(end.encoded_descriptor, end.descriptor.agent, ids),
+                        end.bytes_of(sent_blocks), prefilled, started)
+
+    async def _reserved(self, request_id: str, ref: Any) -> KVDestination:
+        """D's reservation, once it resolves: the writes waiting for it go out."""
+        dest = await ref
+        if dest is None:
+            raise RuntimeError(f"{request_id}: the decode replica had no room to reserve KV")
+        await self.end.connect(dest.descriptor)
+        self.pusher.set_destination(request_id, dest.agent, dest.block_ids,
+                                    dest.num_cached_tokens)
+        return dest
+
+    def abort(self, request_id: str) -> None:
+        self.pusher.abort(request_id)
+
+    def timeline(self) -> list[tuple[str, int, float]]:
+        return list(self.pusher.timeline)
+
+    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
+        self.end = end
+        for peer in peers:
+            await end.connect(peer)
+
+    async def receive(self, request_id: str, reservation: KVDestination,
+                      result: PrefillResult) -> None:
+        end, kv = self.end, result.kv
+        agent = await end.connect(kv.descriptor)
+        await asyncio.wait_for(asyncio.wrap_future(
+            expect_transfers(end.pump, agent, kv.transfer_ids)), end.timeout_s)
+        end.count(result.kv_bytes, result.transfer_s)
