@@ -10,17 +10,18 @@ from transfer import registry
 from transfer.base import LayoutMismatchError, TransferError, TransferState
 from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
 from transfer.registry import make_transport
-from transfer.runs import block_indices, block_runs, byte_runs
+from transfer.runs import block_indices, byte_runs
 from waiting import wait_until
 
 BACKENDS = ["local", "nixl", "ucx"]
 
 
 def test_runs_merge_blocks_contiguous_on_both_sides() -> None:
-    assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (10, 7, 1)]
     layout = tiny_layout(num_blocks=8)
-    copies = byte_runs(layout, tiny_layout(num_blocks=16), range(1, 2), [2, 3], [5, 6])
     nb = layout.block_bytes
+    layer_0_k = byte_runs(layout, layout, range(0, 1), [4, 5, 6, 1, 2], [0, 1, 2, 3, 7])[:3]
+    assert layer_0_k == [(4 * nb, 0, 3 * nb), (1 * nb, 3 * nb, nb), (2 * nb, 7 * nb, nb)]
+    copies = byte_runs(layout, tiny_layout(num_blocks=16), range(1, 2), [2, 3], [5, 6])
     # layer 1 K then V, one run each; offsets count in each KV cache's own block count
     assert copies == [((2 * 8 + 2) * nb, (2 * 16 + 5) * nb, 2 * nb),
                       ((3 * 8 + 2) * nb, (3 * 16 + 5) * nb, 2 * nb)]

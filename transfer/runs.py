@@ -53,15 +53,6 @@ def _run_arrays(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return src[starts], dst[starts], counts
 
 
-def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, count) for maximal runs contiguous on both sides."""
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
-    s, d, n = _run_arrays(np.asarray(src_blocks, dtype=np.int64),
-                          np.asarray(dst_blocks, dtype=np.int64))
-    return list(zip(s.tolist(), d.tolist(), n.tolist()))
-
-
 def _regions(layers: range) -> np.ndarray:
     """(layer, K|V) region numbers of `layers`, as a column: region r = layer * 2 + kv."""
     return np.arange(2 * layers.start, 2 * layers.stop, dtype=np.int64)[:, None]
