@@ -2,11 +2,11 @@
 
     python3 bench/host_path_probe.py [--tokens 2048] [--rounds 10]
 
-Two Ray actors on one GPU's host: an engine-like pool in GPU memory and a DistributedKVCache-
-like pool in pinned host memory, each a NixlTransport with NIXL's progress thread. A prompt's
-blocks (2048 tokens of the Llama-3.1-8B shape: 256 MiB) move four ways: the GPU side writes
-to / reads from the host (what DistributedKVCache put / get do today), and the host side
-reads from / writes to the GPU. ms per move, median and best, and GB/s.
+Two Ray actors on one GPU's host: an engine-like KV cache in GPU memory and a KV-pool-like
+one in pinned host memory (a DistributedKVCache's), each a NixlTransport with NIXL's progress
+thread. A prompt's blocks (2048 tokens of the Llama-3.1-8B shape: 256 MiB) move four ways:
+the GPU side writes to / reads from the host (what DistributedKVCache put / get do today),
+and the host side reads from / writes to the GPU. ms per move, median and best, and GB/s.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pd_cluster.kv_layout import KVLayout  # noqa: E402
 from transfer.nixl_transport import NixlTransport  # noqa: E402
 
 
-class Pool:
+class KVMemory:
     def __init__(self, layout: KVLayout, device: str):
         pin = device == "cpu" and torch.cuda.is_available()
         self.kv = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device,
@@ -41,7 +41,7 @@ class Pool:
         return self.t.connect(desc)
 
     def move(self, peer: str, op: str, rounds: int) -> list[float]:
-        """`rounds` whole-pool WRITEs or READs with `peer`, each waited for; seconds each."""
+        """`rounds` WRITEs or READs of every block with `peer`, each waited for; seconds each."""
         out = []
         for _ in range(rounds):
             start = time.perf_counter()
@@ -70,9 +70,9 @@ def main() -> None:
     nbytes = layout.block_bytes * 2 * layout.num_layers * layout.num_blocks
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        gpu = ray.remote(num_cpus=0, num_gpus=0.5 if args.device == "cuda" else 0)(Pool).remote(
+        gpu = ray.remote(num_cpus=0, num_gpus=0.5 if args.device == "cuda" else 0)(KVMemory).remote(
             layout, args.device)
-        host = ray.remote(num_cpus=0)(Pool).remote(layout, "cpu")
+        host = ray.remote(num_cpus=0)(KVMemory).remote(layout, "cpu")
         host_name = ray.get(gpu.connect.remote(ray.get(host.descriptor.remote())))
         gpu_name = ray.get(host.connect.remote(ray.get(gpu.descriptor.remote())))
         out = {"tokens": args.tokens, "bytes": nbytes, "device": args.device}

@@ -34,7 +34,7 @@ class Probe:
     def __init__(self, layout: KVLayout, params: dict[str, str], seed: int, device: str):
         torch.manual_seed(seed)
         self.kv = torch.randn(layout.shape, device=device).to(layout.torch_dtype)
-        # A progress thread on both sides (host pools have none by default): nothing else
+        # A progress thread on both sides (host memory has none by default): nothing else
         # progresses the receiver here.
         self.t = NixlTransport(ucx_params=params, telemetry=True, timeout_s=60.0,
                                progress_thread=True)

@@ -214,7 +214,7 @@ def post_overhead(args: argparse.Namespace, layout: KVLayout) -> dict:
     blocks, out = list(range(layout.num_blocks)), {}
     whole = [range(layout.num_layers)]
     # Descending block ids on both sides: no two neighbours merge, one descriptor per block
-    # (what a pool that hands out blocks in free-queue order gave once it had wrapped).
+    # (what an allocator that hands out blocks in free-queue order gave once it had wrapped).
     for name, ranges, ids in (("whole_prompt", whole, blocks),
                               ("whole_prompt_one_descriptor_per_block", whole, blocks[::-1]),
                               ("per_layer", [range(i, i + 1) for i in range(layout.num_layers)],

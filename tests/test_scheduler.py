@@ -78,7 +78,7 @@ def test_abort_of_a_preempted_request_frees_blocks(tiny_model_root):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
-def test_request_too_long_for_the_model_or_pool_is_refused(llm):
+def test_request_too_long_for_the_model_or_kv_cache_is_refused(llm):
     engine = llm.engine
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request([1] * 600)
