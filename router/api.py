@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.errors import APIError, bad_request, internal, too_large, unauthorized
+from router.errors import APIError, ErrorCode, bad_request, internal, too_large, unauthorized
 from router.serving import OpenAIServing
 from router.streams import LoadMonitor
 
@@ -59,7 +59,7 @@ class Router:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError):
             raise bad_request("We could not parse the JSON body of your request.",
-                              code="invalid_json") from None
+                              code=ErrorCode.INVALID_JSON) from None
 
     def models(self) -> dict[str, Any]:
         config = self.serving.config
@@ -90,7 +90,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(e.status_code, str(e.detail), code="not_found"
+        return error_response(APIError(e.status_code, str(e.detail), code=ErrorCode.NOT_FOUND
                                        if e.status_code == 404 else None))
 
     @app.exception_handler(Exception)

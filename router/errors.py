@@ -1,22 +1,55 @@
 """Errors in the OpenAI schema: {"error": {"message", "type", "param", "code"}} + status."""
 from __future__ import annotations
 
+import enum
 from typing import Any
+
+
+class ErrorType(str, enum.Enum):
+    """OpenAI's error `type` (str-valued: the JSON body carries the string)."""
+
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    RATE_LIMIT = "rate_limit_error"
+    TIMEOUT = "timeout_error"
+    SERVER = "server_error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ErrorCode(str, enum.Enum):
+    """OpenAI's error `code`; with the type, what labels `pd_request_errors_total`."""
+
+    INVALID_JSON = "invalid_json"
+    INVALID_VALUE = "invalid_value"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_API_KEY = "invalid_api_key"
+    NOT_FOUND = "not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    REQUEST_TOO_LARGE = "request_too_large"
+    QUEUE_FULL = "queue_full"
+    REQUEST_TIMEOUT = "request_timeout"
+    INTERNAL_ERROR = "internal_error"
+    CLIENT_DISCONNECTED = "client_disconnected"   # a metric label only: nobody is left to tell
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class APIError(Exception):
     """An error answered to the client with `status` and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str,
+                 type_: ErrorType = ErrorType.INVALID_REQUEST, param: str | None = None,
+                 code: ErrorCode | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.code = code
         self.headers = headers or {}
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> ErrorCode | ErrorType:
         """The label of this error in the `pd_request_errors_total` metric."""
         return self.code or self.type
 
@@ -25,35 +58,36 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+def bad_request(message: str, param: str | None = None,
+                code: ErrorCode | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
 def unauthorized() -> APIError:
     return APIError(401, "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
-                    type_="authentication_error", code="invalid_api_key")
+                    type_=ErrorType.AUTHENTICATION, code=ErrorCode.INVALID_API_KEY)
 
 
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model {model!r} does not exist.", param="model",
-                    code="model_not_found")
+                    code=ErrorCode.MODEL_NOT_FOUND)
 
 
 def too_large(limit: int) -> APIError:
     return APIError(413, f"Request body is larger than {limit} bytes.",
-                    code="request_too_large")
+                    code=ErrorCode.REQUEST_TOO_LARGE)
 
 
 def overloaded(retry_after_s: int) -> APIError:
     return APIError(429, "The server has too many requests waiting; retry later.",
-                    type_="rate_limit_error", code="queue_full",
+                    type_=ErrorType.RATE_LIMIT, code=ErrorCode.QUEUE_FULL,
                     headers={"Retry-After": str(retry_after_s)})
 
 
 def timed_out(seconds: float) -> APIError:
     return APIError(504, f"The request did not finish within {seconds:g} s.",
-                    type_="timeout_error", code="request_timeout")
+                    type_=ErrorType.TIMEOUT, code=ErrorCode.REQUEST_TIMEOUT)
 
 
 def internal(message: str) -> APIError:
-    return APIError(500, message, type_="server_error", code="internal_error")
+    return APIError(500, message, type_=ErrorType.SERVER, code=ErrorCode.INTERNAL_ERROR)

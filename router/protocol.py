@@ -11,7 +11,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from pd_cluster.sampling_params import SamplingParams
-from router.errors import APIError, bad_request
+from router.errors import APIError, ErrorCode, bad_request
 
 MAX_N = 16            # choices per request: each is one engine request
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -126,4 +126,4 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         raise APIError(400, f"{param or 'body'}: {err['msg']}", param=param,
-                       code="invalid_value") from None
+                       code=ErrorCode.INVALID_VALUE) from None

@@ -23,7 +23,8 @@ from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import Tokenizer
 from router.app_config import AppConfig
 from router.engine_client import EngineClient
-from router.errors import APIError, bad_request, internal, model_not_found, timed_out
+from router.errors import (APIError, ErrorCode, bad_request, internal, model_not_found,
+                           timed_out)
 from router.metrics import RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, parse
 from router.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, sse,
@@ -33,7 +34,6 @@ from router.streams import Admission, merge
 
 logger = logging.getLogger(__name__)
 Body = dict[str, Any] | AsyncIterator[str]   # a JSON body, or SSE events to stream
-CLIENT_GONE = "client_disconnected"          # error kind of requests cancelled by the client
 
 
 @dataclass(slots=True)
@@ -100,7 +100,7 @@ class OpenAIServing:
         if len(ids) > self.max_prompt_tokens:
             raise bad_request(f"This model's maximum prompt length is {self.max_prompt_tokens} "
                               f"tokens; the prompt has {len(ids)}.", param="prompt",
-                              code="context_length_exceeded")
+                              code=ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         return ids
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
@@ -109,12 +109,12 @@ class OpenAIServing:
             return max(1, min(limit, room))
         if requested > limit:
             raise bad_request(f"max_tokens: {requested} exceeds this server's limit of {limit}",
-                              param="max_tokens", code="invalid_value")
+                              param="max_tokens", code=ErrorCode.INVALID_VALUE)
         if requested > room:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} "
                               f"tokens; the prompt has {prompt_len} and max_tokens is "
                               f"{requested}.", param="max_tokens",
-                              code="context_length_exceeded")
+                              code=ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         return requested
 
     def _jobs(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
@@ -236,7 +236,7 @@ class _Run:
             async for i, out in self._items():
                 self._update(i, out)
         except asyncio.CancelledError:
-            self.serving.metrics.errors.labels(CLIENT_GONE).inc()
+            self.serving.metrics.errors.labels(ErrorCode.CLIENT_DISCONNECTED).inc()
             raise
         finally:
             await self.outputs.aclose()
@@ -254,7 +254,7 @@ class _Run:
             if self.include_usage:
                 yield sse(self.fmt.usage_chunk(self.usage(), self.engine_ttft))
         except (asyncio.CancelledError, GeneratorExit):   # the client went away mid-stream
-            self.serving.metrics.errors.labels(CLIENT_GONE).inc()
+            self.serving.metrics.errors.labels(ErrorCode.CLIENT_DISCONNECTED).inc()
             raise
         except APIError as e:     # after the 200 went out: the error travels as an event
             self.serving.metrics.errors.labels(e.kind).inc()
