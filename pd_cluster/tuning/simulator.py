@@ -1,6 +1,6 @@
 """Discrete-event simulation of a pd-cluster deployment serving one workload.
 
-Disaggregated, as in DESIGN.md's push mode:
+Disaggregated, as in push mode (README, "How a request is served"):
     arrival → router reserves the whole request's KV on the decode instance with the most room
     left (or waits, FIFO, until one has room) and queues the prompt on the prefill instance
     with the fewest queued tokens → prefill steps batch prompts FIFO up to a token budget,
