@@ -24,9 +24,8 @@ _NOTHING = "nothing to move"  # handle of a transfer of zero blocks: done once p
 UCX_PARAMS_ENV = "PD_NIXL_UCX_PARAMS"
 # The default for KV caches in GPU memory. UCX's cuda_ipc puts a worker's copies to one peer
 # device on one CUDA stream (the stream is picked by the peer's device number), so a prompt's
-# per-(layer, K|V) runs go one after another; four workers spread them over four streams. A
-# 2048-token 8B prompt: 258 -> 306 GB/s median on nvidia-h100-x2, 208-261 -> 271-305 on
-# nvidia-h200-x2.
+# per-(layer, K|V) runs go one after another; four workers spread them over four streams
+# (bench/transfer_bench.py measures the difference).
 GPU_UCX_PARAMS = {"num_workers": "4"}
 
 
