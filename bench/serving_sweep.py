@@ -1,9 +1,11 @@
 """Serving benchmarks through the real HTTP endpoint: `sweep` (goodput against arrival rate,
 per configuration) and `validate` (`pd-cluster tune`'s prediction against `pd-cluster bench`).
 
-On nvidia-h200-x2, carrying .devbundle and .gpucarry/tok, every run starts with
+On nvidia-h200-x2, with Ray Serve and NIXL on PYTHONPATH (`$SITE`: the GPU machines reach no
+package index, so their wheels travel unpacked with the run) and a tokenizer directory carried
+as .gpucarry/tok, every run starts with
 
-    bash .devbundle/unpack.sh && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
+    export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 \
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 && \
       xz -dkf .gpucarry/tok/tokenizer.json.xz && \
       M=$(python3 bench/models.py --tokenizer-from .gpucarry/tok) && \

@@ -24,6 +24,7 @@ from pd_cluster.benchmark.serving_runs import (
     lifetime, point_stats, run_header, scrape, slo_of, wait_idle, warm_up, whole_run,
     write_json)
 from pd_cluster.benchmark.validate import validate
+from pd_cluster.config import EngineConfig
 from pd_cluster.tuning.slo import SLO
 
 if TYPE_CHECKING:
@@ -128,7 +129,8 @@ def _sweep_config(dep: Deployment, entry: dict, args: dict, opts: argparse.Names
     started = time.monotonic()
     with opts.harness.serving(args, opts) as url:
         entry["start_s"] = time.monotonic() - started
-        entry["kv_capacity_tokens"] = kv_capacity(url, int(args.get("block_size", 16)))
+        block_size = (args.get("engine") or {}).get("block_size", EngineConfig().block_size)
+        entry["kv_capacity_tokens"] = kv_capacity(url, int(block_size))
         warm_up(url, opts)
         stop, below = "", 0
         for k, rate in enumerate(rates):
