@@ -5,8 +5,15 @@ import enum
 from typing import Any
 
 
-class ErrorType(str, enum.Enum):
-    """OpenAI's error `type` (str-valued: the JSON body carries the string)."""
+class _WireEnum(str, enum.Enum):
+    """A str-valued Enum that prints as its value: JSON bodies and metric labels carry it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ErrorType(_WireEnum):
+    """OpenAI's error `type`."""
 
     INVALID_REQUEST = "invalid_request_error"
     AUTHENTICATION = "authentication_error"
@@ -14,11 +21,8 @@ class ErrorType(str, enum.Enum):
     TIMEOUT = "timeout_error"
     SERVER = "server_error"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class ErrorCode(str, enum.Enum):
+class ErrorCode(_WireEnum):
     """OpenAI's error `code`; with the type, what labels `pd_request_errors_total`."""
 
     INVALID_JSON = "invalid_json"
@@ -32,9 +36,6 @@ class ErrorCode(str, enum.Enum):
     REQUEST_TIMEOUT = "request_timeout"
     INTERNAL_ERROR = "internal_error"
     CLIENT_DISCONNECTED = "client_disconnected"   # a metric label only: nobody is left to tell
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class APIError(Exception):

@@ -48,7 +48,8 @@ def ray_cluster(_ray_session):
     """The `ray` module, connected to a local Ray shared by the modules that ask for it: the
     first one starts it, the next ones reuse it (their actors are their own to kill), and it
     stops at the end of the session or when a test needs a Ray of its own (stop_shared_ray)."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     if not ray.is_initialized():
         start_local_ray()
     return ray

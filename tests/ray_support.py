@@ -2,8 +2,10 @@
 stopping it for code that needs a Ray of its own."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,21 +19,28 @@ RAY_WORKER_ENV = {"PYTHONPATH": os.pathsep.join(
                   "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
-def start_local_ray():
-    """A private local Ray (2 CPUs, no dashboard) whose workers see RAY_WORKER_ENV; the
-    environment of this process is left as it was."""
-    import ray
-
-    saved = {name: os.environ.get(name) for name in RAY_WORKER_ENV}
-    os.environ.update(RAY_WORKER_ENV)      # the raylet, and so every worker, inherits it
+@contextlib.contextmanager
+def environ(updates: dict[str, str]) -> Iterator[None]:
+    """Set these environment variables for the block, then restore what was there."""
+    saved = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        yield
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def start_local_ray():
+    """A private local Ray (2 CPUs, no dashboard) whose workers see RAY_WORKER_ENV; the
+    environment of this process is left as it was."""
+    import ray
+
+    with environ(RAY_WORKER_ENV):          # the raylet, and so every worker, inherits it
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     return ray
 
 

@@ -16,7 +16,7 @@ import ray
 import yaml
 from ray import serve
 
-from ray_support import stop_shared_ray
+from ray_support import environ, stop_shared_ray
 from router.serving_bench import free_port, haproxy_wanted, ingress_env
 from waiting import wait_until
 
@@ -48,20 +48,6 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 
 @contextlib.contextmanager
-def _environ(updates: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
 def serve_run(args_overrides: dict) -> Iterator[str]:
     """URL of `serve run` on a temp copy of configs/pd.yaml (args updated), on a private local
     Ray (2 CPUs; the tests' shared Ray is stopped first) and a free loopback port; everything
@@ -73,7 +59,7 @@ def serve_run(args_overrides: dict) -> Iterator[str]:
     and parallel runs do not clash.
     """
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    with _environ(ingress_env(haproxy_wanted())), _serve_run(args_overrides) as url:
+    with environ(ingress_env(haproxy_wanted())), _serve_run(args_overrides) as url:
         yield url
 
 
