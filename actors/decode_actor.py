@@ -86,8 +86,15 @@ class DecodingActor(StreamingEngine):
 
     def _expire(self, request_id: str) -> None:
         # Nobody came to decode it (the router or the prefill side died): free its blocks.
-        self._leases.pop(request_id, None)
+        self._drop_reservation(request_id)
+
+    def _drop_reservation(self, request_id: str) -> None:
+        """The one way a request leaves here before its KV landed (abort, lease expiry, a
+        failed transfer): lease and destination forgotten, the engine aborts it."""
         self._dests.pop(request_id, None)
+        lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            lease.cancel()
         self.loop.abort(request_id)
 
     async def decode(self, request_id: str, result: PrefillResult, sub: str) -> None:
@@ -102,7 +109,7 @@ class DecodingActor(StreamingEngine):
         try:
             await opened(self.handoff).receive(request_id, dest, result)
         except BaseException:
-            self.loop.abort(request_id)
+            self._drop_reservation(request_id)
             raise
         self.stages.append((request_id, called, time.monotonic()))
         self.loop.resume_into(request_id, result.token, result.logprobs,
@@ -116,11 +123,7 @@ class DecodingActor(StreamingEngine):
     # recompute after a failed prefill).
 
     async def abort(self, request_id: str) -> None:
-        self._dests.pop(request_id, None)
-        lease = self._leases.pop(request_id, None)
-        if lease is not None:
-            lease.cancel()
-        self.loop.abort(request_id)
+        self._drop_reservation(request_id)
 
     async def load(self) -> ReplicaLoad:
         return self.end.load()

@@ -1,0 +1,147 @@
+"""Membership: which engine replicas exist, what state each is in, how to reach it.
+
+The EngineController (router/controller.py) owns the engine replicas and publishes a
+Membership with a version that grows on every change of a replica's state or actor; router
+replicas long-poll it and route over the READY members. Loads and prefix reports do not bump
+the version: routers ask the engines for those themselves.
+
+Lifecycle of one replica slot (role, replica id), `ReplicaState`:
+
+    PENDING ──► STARTING ──► READY ──► DRAINING ──► RETIRED
+       │            │          │           │
+       └────────────┴──────────┴───────────┴──► DEAD ──(backoff)──► PENDING (a new actor)
+
+PENDING: the actor is created but Ray has not placed it (it waits for resources: `detail`
+says what it asks for and why it does not fit). STARTING: placed, loading the model and
+joining the KV handoff. DEAD: its process died or stopped answering health checks; the
+controller starts a new actor in the same slot after a backoff. RETIRED: drained and stopped
+on purpose; never restarted.
+
+No Ray import: routers, the controller and tests share these types.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.messages import DECODE, PREFILL, ReplicaLoad
+
+Key = tuple[str, int]     # (role, replica id)
+
+
+class ReplicaState(str, enum.Enum):
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+    RETIRED = "retired"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = {
+    ReplicaState.PENDING: frozenset({ReplicaState.STARTING, ReplicaState.DEAD,
+                                     ReplicaState.RETIRED}),
+    ReplicaState.STARTING: frozenset({ReplicaState.READY, ReplicaState.DEAD,
+                                      ReplicaState.RETIRED}),
+    ReplicaState.READY: frozenset({ReplicaState.DRAINING, ReplicaState.DEAD}),
+    ReplicaState.DRAINING: frozenset({ReplicaState.RETIRED, ReplicaState.DEAD}),
+    ReplicaState.DEAD: frozenset({ReplicaState.PENDING, ReplicaState.RETIRED}),
+    ReplicaState.RETIRED: frozenset(),
+}
+
+
+def check_transition(old: ReplicaState, new: ReplicaState) -> None:
+    if new not in TRANSITIONS[old]:
+        raise ValueError(f"replica state {old} cannot become {new}")
+
+
+class PoolState(str, enum.Enum):
+    """A role's replicas as a whole, as /health reports them."""
+
+    READY = "ready"          # every wanted replica is READY
+    DEGRADED = "degraded"    # some are READY, not all: it serves, with less capacity
+    PENDING = "pending"      # none is READY: requests needing this role cannot be served
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMember:
+    """One replica slot as the controller last saw it."""
+
+    role: str                         # PREFILL | DECODE (colocated engines are DECODE)
+    replica_id: int
+    state: ReplicaState
+    actor: Any = None                 # its Ray actor handle (None when there is no live one)
+    actor_id: str = ""                # hex id of that actor: a new one after each restart
+    resources: dict[str, Any] = field(default_factory=dict)   # the Ray options it asks for
+    descriptor: bytes | None = None   # its encoded KVDescriptor (None: colocated, or not yet)
+    load: ReplicaLoad | None = None   # its report at the controller's last health check
+    restarts: int = 0                 # actors started in this slot after the first
+    detail: str = ""                  # why it is PENDING, or how it died
+
+    @property
+    def key(self) -> Key:
+        return self.role, self.replica_id
+
+    def summary(self) -> dict[str, Any]:
+        """What /health shows of it."""
+        out: dict[str, Any] = {"replica": f"{self.role}-{self.replica_id}",
+                               "state": str(self.state), "actor_id": self.actor_id,
+                               "restarts": self.restarts}
+        if self.state in (ReplicaState.PENDING, ReplicaState.DEAD) or self.detail:
+            out["resources"] = self.resources
+            out["detail"] = self.detail
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """The controller's published view; `version` grows with every change."""
+
+    version: int
+    mode: str                                # AppConfig.mode
+    targets: dict[str, int]                  # wanted replicas per role
+    members: tuple[EngineMember, ...] = ()
+    handoff: Any = None                      # the KVHandoff the engines run (None: colocated)
+
+    def of(self, role: str) -> list[EngineMember]:
+        return sorted((m for m in self.members if m.role == role), key=lambda m: m.replica_id)
+
+    def ready(self, role: str) -> list[EngineMember]:
+        return [m for m in self.of(role) if m.state is ReplicaState.READY]
+
+    def roles(self) -> list[str]:
+        return [r for r in (PREFILL, DECODE) if self.targets.get(r)]
+
+    def pool_state(self, role: str) -> PoolState:
+        ready = len(self.ready(role))
+        if ready == 0:
+            return PoolState.PENDING
+        return PoolState.READY if ready >= self.targets.get(role, 0) else PoolState.DEGRADED
+
+    def serving(self) -> bool:
+        """Whether every role has a READY replica (requests can be served)."""
+        return all(self.pool_state(r) is not PoolState.PENDING for r in self.roles())
+
+    def pools(self) -> dict[str, dict[str, Any]]:
+        """Per role: state, ready / wanted counts, each replica's summary (/health)."""
+        return {role: {"state": str(self.pool_state(role)), "ready": len(self.ready(role)),
+                       "target": self.targets.get(role, 0),
+                       "replicas": [m.summary() for m in self.of(role)]}
+                for role in self.roles()}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a router replica needs of the model before it can tokenize: where it is and the
+    engine config every replica runs with (max_model_len resolved)."""
+
+    path: str
+    engine: Any          # pd_cluster.config.EngineConfig
