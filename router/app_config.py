@@ -7,8 +7,9 @@ declared once, with its type, bounds, default and description, in the pydantic m
 `router.app:build_app(args)` calls `AppConfig.from_args(args)`: unknown keys and bad values are
 refused with a `ValueError` that names the field (`limits.max_queue: ...`,
 `engine.block_size: ...`). Then `replica_actor_options(config, role, ray.cluster_resources())`
-gives each engine replica its Ray actor options. This module imports neither Ray nor torch, so
-it is cheap to test.
+gives each engine replica its Ray actor options, and `config.router_deployment_options()` the
+router deployment's replica count or Serve autoscaling. This module imports neither Ray nor
+torch, so it is cheap to test.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator,
+                      model_validator)
 
 from pd_cluster.config import STRICT_MODEL_CONFIG, EngineConfig
 from pd_cluster.config_errors import validate_config
@@ -91,6 +93,51 @@ class Routing(BaseModel):
         "Dynamo's overlap weight w: weight of the prompt blocks a P still has to compute"))
 
 
+class RouterAutoscaling(BaseModel):
+    """Ray Serve's `autoscaling_config` of the router deployment, the keys that matter for it.
+
+    Serve keeps between min_replicas and max_replicas router replicas, each at about
+    target_ongoing_requests requests in flight. Serve's other keys keep their defaults.
+    """
+
+    model_config = STRICT_MODEL_CONFIG
+
+    # Serve allows 0 (scale to zero); the router is the only ingress, so the first request
+    # after a quiet spell would wait for a replica to start: at least one stays up.
+    min_replicas: int = Field(1, ge=1, description="fewest router replicas")
+    # No default: Serve's is 1, which would not scale at all.
+    max_replicas: int = Field(ge=1, description="most router replicas")
+    initial_replicas: int | None = Field(None, ge=1, description=(
+        "router replicas when the application is deployed; null: min_replicas"))
+    # A router replica streams many requests at once (its Serve max_ongoing_requests is in
+    # the hundreds), so Serve's default of 2 would scale to max_replicas under any load. 64 is
+    # not a measured saturation point: lower it when the router's CPU saturates (TTFT and
+    # inter-token latency rise while the engines have room).
+    target_ongoing_requests: float = Field(64.0, gt=0, description=(
+        "requests in flight (streams included) per router replica that Serve scales toward"))
+    upscale_delay_s: float = Field(30.0, ge=0, description=(
+        "seconds the load must stay above target before a replica is added (Serve's default)"))
+    downscale_delay_s: float = Field(600.0, ge=0, description=(
+        "seconds the load must stay below target before a replica is removed (Serve's default)"))
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_not_below_min(cls, value: int, info: ValidationInfo) -> int:
+        least = info.data.get("min_replicas")
+        if least is not None and value < least:
+            raise ValueError(f"must be at least min_replicas ({least})")
+        return value
+
+    @field_validator("initial_replicas")
+    @classmethod
+    def _initial_within_bounds(cls, value: int | None, info: ValidationInfo) -> int | None:
+        least, most = info.data.get("min_replicas"), info.data.get("max_replicas")
+        if value is not None and least is not None and most is not None \
+                and not least <= value <= most:
+            raise ValueError(f"must be within min_replicas..max_replicas ({least}..{most})")
+        return value
+
+
 class AppConfig(BaseModel):
     """The application's `args`, validated. Defaults run on a laptop's CPU with the bundled model."""
 
@@ -121,6 +168,11 @@ class AppConfig(BaseModel):
     api_key_env: str | None = Field(None, description=(
         "environment variable holding the API key; null: no auth"))
     routing: Routing = Field(default_factory=Routing, description="how replicas are picked")
+    router_replicas: int = Field(1, ge=1, description=(
+        "replicas of the router deployment (OpenAIRouter); leave at 1 with router_autoscaling"))
+    router_autoscaling: RouterAutoscaling | None = Field(None, description=(
+        "Serve autoscaling of the router deployment instead of router_replicas; null: a fixed "
+        "count"))
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> AppConfig:
@@ -148,6 +200,11 @@ class AppConfig(BaseModel):
         if self.mode != "colocated" and self.num_prefill < 1:
             raise ValueError(f"num_prefill: {self.mode} mode needs at least 1 prefill replica "
                              "(0 only with mode: colocated)")
+        if self.router_autoscaling is not None and self.router_replicas != 1:
+            raise ValueError(
+                f"router_replicas: {self.router_replicas} with router_autoscaling set; leave "
+                "router_replicas at 1, Serve then keeps the router between "
+                "router_autoscaling.min_replicas and max_replicas")
         longest = self.engine.max_model_len
         for name in ("max_prompt_tokens", "max_tokens"):
             value = getattr(self.limits, name)
@@ -155,17 +212,30 @@ class AppConfig(BaseModel):
                 raise ValueError(f"limits.{name}: {value} exceeds engine.max_model_len {longest}")
         return self
 
+    @property
+    def router_max_replicas(self) -> int:
+        """The most router replicas this config can run (autoscaling's max_replicas)."""
+        scaling = self.router_autoscaling
+        return self.router_replicas if scaling is None else scaling.max_replicas
+
+    def router_deployment_options(self) -> dict[str, Any]:
+        """Ray Serve `.options(...)` kwargs of the router deployment: `num_replicas`, or
+        `autoscaling_config` (Serve refuses both together)."""
+        if self.router_autoscaling is None:
+            return {"num_replicas": self.router_replicas}
+        return {"autoscaling_config": self.router_autoscaling.model_dump()}
+
 
 def replica_actor_options(config: AppConfig, role: str,
                           cluster_resources: Mapping[str, float]) -> dict[str, Any]:
     """Ray actor options of one `role` ("prefill" or "decode") replica.
 
     Explicit resources are returned as written. "auto" asks for one GPU when the cluster has
-    GPUs, else a share of the CPUs that leaves one for the router; and, when the cluster
-    offers the custom resource named after the role (a node group of `configs/cluster.yaml`
-    or the Helm chart), ROLE_RESOURCE_SHARE of it, which pins the replica to its group. In
-    colocated mode the engines are "decode" replicas. `cluster_resources` is
-    `ray.cluster_resources()`.
+    GPUs, else a share of the CPUs that leaves one for each router replica (see _cpu_share);
+    and, when the cluster offers the custom resource named after the role (a node group of
+    `configs/cluster.yaml` or the Helm chart), ROLE_RESOURCE_SHARE of it, which pins the
+    replica to its group. In colocated mode the engines are "decode" replicas.
+    `cluster_resources` is `ray.cluster_resources()`.
     """
     if role not in ROLES:
         raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
@@ -183,7 +253,9 @@ def replica_actor_options(config: AppConfig, role: str,
 
 
 def _cpu_share(config: AppConfig, cpus: float) -> float:
-    """CPUs for each engine replica on a GPU-less cluster, at most one, keeping one for the router."""
-    spare = cpus - 1 if cpus >= 2 else cpus / 2
+    """CPUs for each engine replica on a GPU-less cluster, at most one. The engines share what
+    the router replicas leave (one CPU each, router.app's router_cpus; autoscaling's
+    max_replicas of them), but at least one CPU, or half of a smaller machine."""
+    spare = max(cpus - config.router_max_replicas, min(1.0, cpus / 2))
     share = math.floor(100 * spare / (config.num_prefill + config.num_decode)) / 100
     return min(1.0, max(MIN_CPU_SHARE, share))

@@ -104,10 +104,81 @@ def test_colocated_mode_defaults_to_no_prefill_replicas():
     ({"decode_resources": "gpu"}, "decode_resources:"),
     ({"decode_resources": {"gpus": 1}}, "decode_resources: unknown key(s) gpus"),
     ({"decode_resources": {"resources": {"decode": "x"}}}, "decode_resources.resources.decode:"),
+    ({"router_replicas": 0}, "router_replicas:"),
+    ({"router_replicas": 2.0}, "router_replicas:"),
+    ({"router_autoscaling": 3}, "router_autoscaling:"),
+    ({"router_autoscaling": {}}, "router_autoscaling.max_replicas: Field required"),
+    ({"router_autoscaling": {"max_replicas": 0}}, "router_autoscaling.max_replicas:"),
+    ({"router_autoscaling": {"min_replicas": 0, "max_replicas": 2}},
+     "router_autoscaling.min_replicas:"),
+    ({"router_autoscaling": {"min_replicas": 3, "max_replicas": 2}},
+     "router_autoscaling.max_replicas: must be at least min_replicas (3), got 2"),
+    ({"router_autoscaling": {"max_replicas": 4, "initial_replicas": 5}},
+     "router_autoscaling.initial_replicas: must be within min_replicas..max_replicas (1..4)"),
+    ({"router_autoscaling": {"min_replicas": 2, "max_replicas": 4, "initial_replicas": 1}},
+     "router_autoscaling.initial_replicas: must be within min_replicas..max_replicas (2..4)"),
+    ({"router_autoscaling": {"max_replicas": 4, "target_ongoing_requests": 0}},
+     "router_autoscaling.target_ongoing_requests:"),
+    ({"router_autoscaling": {"max_replicas": 4, "downscale_delay_s": -1}},
+     "router_autoscaling.downscale_delay_s:"),
+    ({"router_autoscaling": {"max_replicas": 4, "metrics_interval_s": 5}},
+     "router_autoscaling: unknown key(s) metrics_interval_s; known keys: min_replicas"),
+    ({"router_replicas": 3, "router_autoscaling": {"max_replicas": 4}},
+     "router_replicas: 3 with router_autoscaling set; leave router_replicas at 1"),
 ])
 def test_bad_args_raise_value_error_naming_the_field(args, field):
     with pytest.raises(ValueError, match="^" + re.escape(field)):
         AppConfig.from_args(args)
+
+
+def test_router_runs_one_replica_by_default():
+    config = AppConfig.from_args({})
+    assert config.router_replicas == 1 and config.router_autoscaling is None
+    assert config.router_deployment_options() == {"num_replicas": 1}
+
+
+def test_router_replicas_are_serves_num_replicas():
+    config = AppConfig.from_args({"router_replicas": 3})
+    assert config.router_deployment_options() == {"num_replicas": 3}
+    assert config.router_max_replicas == 3
+
+
+def test_router_autoscaling_is_serves_autoscaling_config_with_our_defaults():
+    config = AppConfig.from_args({"router_autoscaling": {"max_replicas": 4}})
+    assert config.router_deployment_options() == {"autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 4, "initial_replicas": None,
+        "target_ongoing_requests": 64.0, "upscale_delay_s": 30.0, "downscale_delay_s": 600.0}}
+    assert config.router_max_replicas == 4
+    # router_replicas may stay written at its default (pd.yaml lists it) beside autoscaling.
+    both = AppConfig.from_args({"router_replicas": 1, "router_autoscaling": {"max_replicas": 4}})
+    assert both.router_deployment_options() == config.router_deployment_options()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # Ray Serve's own pydantic use
+@pytest.mark.parametrize("args", [
+    {"router_replicas": 2},
+    {"router_autoscaling": {"min_replicas": 2, "max_replicas": 6, "initial_replicas": 3,
+                            "target_ongoing_requests": 16, "upscale_delay_s": 0,
+                            "downscale_delay_s": 60}},
+])
+def test_router_deployment_options_are_accepted_by_ray_serve(args):
+    """The kwargs go to `OpenAIRouter.options(...)` as they are: Serve's own checks pass."""
+    pytest.importorskip("ray")
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig
+
+    options = AppConfig.from_args(args).router_deployment_options()
+
+    @serve.deployment
+    class Probe:
+        pass
+
+    deployment = Probe.options(**options)
+    if "autoscaling_config" in options:
+        expected = AutoscalingConfig(**options["autoscaling_config"])
+        assert deployment._deployment_config.autoscaling_config == expected
+    else:
+        assert deployment.num_replicas == options["num_replicas"]
 
 
 def test_engine_config_errors_name_the_field():
@@ -156,6 +227,17 @@ def test_auto_cpu_replicas_share_a_small_machine_and_leave_a_cpu_for_the_router(
     assert replica_actor_options(config, "decode", {"CPU": 2.0})["num_cpus"] == 0.5
     config = AppConfig.from_args({"num_prefill": 2, "num_decode": 3})
     assert replica_actor_options(config, "prefill", {"CPU": 2.0})["num_cpus"] == 0.2
+
+
+def test_auto_cpu_replicas_leave_a_cpu_for_each_router_replica():
+    fixed = AppConfig.from_args({"router_replicas": 3})
+    assert replica_actor_options(fixed, "decode", {"CPU": 4.0})["num_cpus"] == 0.5
+    scaled = AppConfig.from_args({"router_autoscaling": {"max_replicas": 4}})
+    assert replica_actor_options(scaled, "decode", {"CPU": 6.0})["num_cpus"] == 1.0
+    assert replica_actor_options(scaled, "decode", {"CPU": 5.0})["num_cpus"] == 0.5
+    # Too few CPUs for every router replica: the engines still share one.
+    assert replica_actor_options(scaled, "decode", {"CPU": 4.0})["num_cpus"] == 0.5
+    assert replica_actor_options(scaled, "decode", {"CPU": 1.0})["num_cpus"] == 0.25
 
 
 def test_explicit_resources_are_used_as_written_whatever_the_cluster():

@@ -3,7 +3,8 @@ AppConfig, its `engine:` pd_cluster/config.py EngineConfig):
 
 - configs/pd.yaml's args validate and name every field of the tree;
 - helm/values.schema.json describes exactly the tree's fields that the chart exposes (values
-  are the tree's paths in camelCase), with the tree's choices, bounds and nullability;
+  are the tree's paths in camelCase, the router's under `router:`), with the tree's choices,
+  bounds and nullability;
 - the chart, rendered by a real helm, passes every exposed value through as the arg of the
   same path, and its default values are the tree's defaults.
 
@@ -38,19 +39,37 @@ CHART_COMPUTED: dict[FieldPath, str] = {
     ("decode_resources",): "decode.gpusPerReplica / cpusPerReplica and the group's resource",
     ("api_key_env",): "apiKey.envName, when apiKey.secretName is set",
 }
+# Tree fields whose value sits at another path: the router deployment's, grouped under
+# `router:` as charts group a deployment's replicas and autoscaling.
+RENAMED: dict[FieldPath, FieldPath] = {
+    ("router_replicas",): ("router", "replicas"),
+    ("router_autoscaling",): ("router", "autoscaling"),
+}
 # Top-level values that are the chart's own (Kubernetes objects, images, pods), no tree field.
 CHART_ONLY = {"global", "nameOverride", "fullnameOverride", "image", "imagePullSecrets",
               "rayVersion", "apiKey", "extraEnv", "head", "prefill", "decode", "rdma", "ucx",
               "podSecurityContext", "containerSecurityContext", "service", "metrics"}
+# Deeper values that are the chart's own: the switch that the tree writes as null.
+CHART_ONLY_PATHS = {("router", "autoscaling", "enabled")}
 JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
 BOUNDS = {"minimum": (annotated_types.Ge, "ge"), "exclusiveMinimum": (annotated_types.Gt, "gt"),
           "maximum": (annotated_types.Le, "le"), "exclusiveMaximum": (annotated_types.Lt, "lt")}
 
 
+def is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def submodel(field: FieldInfo) -> type[BaseModel] | None:
+    """The model of a nested section, optional ones (`RouterAutoscaling | None`) included."""
     annotation = field.annotation
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) \
-        else None
+    if is_model(annotation):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1 and is_model(members[0]):
+            return members[0]
+    return None
 
 
 def leaves(model: type[BaseModel] = AppConfig,
@@ -73,13 +92,26 @@ def camel(path: FieldPath) -> FieldPath:
     return tuple(map(one, path))
 
 
+def value_path(path: FieldPath) -> FieldPath:
+    """The chart value of a tree field: its path in camelCase, or under RENAMED's prefix."""
+    for prefix, values in RENAMED.items():
+        if path[:len(prefix)] == prefix:
+            return values + camel(path[len(prefix):])
+    return camel(path)
+
+
 def named_paths(args: dict, model: type[BaseModel] = AppConfig, prefix: FieldPath = ()) -> set:
-    """The leaf paths a mapping of args names, following the tree into nested models."""
+    """The leaf paths a mapping of args names, following the tree into nested models; an
+    optional section written as null names its fields (all of them off)."""
     named = set()
     for key, value in args.items():
-        inner = submodel(model.model_fields[key])
-        named |= named_paths(value, inner, prefix + (key,)) if inner and isinstance(value, dict) \
-            else {prefix + (key,)}
+        inner, path = submodel(model.model_fields[key]), prefix + (key,)
+        if inner and isinstance(value, dict):
+            named |= named_paths(value, inner, path)
+        elif inner and value is None:
+            named |= {path + sub for sub in leaves(inner)}
+        else:
+            named.add(path)
     return named
 
 
@@ -93,6 +125,19 @@ def test_pd_yaml_validates_and_names_every_field_of_the_tree():
     AppConfig.from_args(args)
     missing = sorted(".".join(p) for p in set(leaves()) - named_paths(args))
     assert not missing, f"configs/pd.yaml lacks {missing}: add each, with a comment"
+
+
+def test_pd_yaml_shows_the_fields_of_a_section_it_leaves_null():
+    """An optional section pd.yaml sets to null (router_autoscaling) has an example of every
+    field of it in the comment above."""
+    args, text = pd_yaml_args(), (REPO / "configs" / "pd.yaml").read_text()
+    null_sections = [name for name, value in args.items()
+                     if value is None and submodel(AppConfig.model_fields[name])]
+    assert null_sections
+    for name in null_sections:
+        fields = submodel(AppConfig.model_fields[name]).model_fields
+        assert f"#   {name}:" in text
+        assert not [f for f in fields if f"#     {f}: " not in text], name
 
 
 def test_the_tree_fields_are_described():
@@ -109,15 +154,15 @@ def schema() -> dict:
 def schema_leaves(node: dict, prefix: FieldPath = ()) -> set[FieldPath]:
     found = set()
     for name, prop in node["properties"].items():
-        if not prefix and name in CHART_ONLY:
-            continue
         path = prefix + (name,)
+        if (not prefix and name in CHART_ONLY) or path in CHART_ONLY_PATHS:
+            continue
         found |= schema_leaves(prop, path) if "properties" in prop else {path}
     return found
 
 
 def test_schema_describes_exactly_the_fields_the_chart_exposes():
-    described, wanted = schema_leaves(schema()), {camel(p) for p in EXPOSED}
+    described, wanted = schema_leaves(schema()), {value_path(p) for p in EXPOSED}
     assert not wanted - described, f"tree fields missing from the schema: {wanted - described}"
     assert not described - wanted, (f"schema properties with no tree field: "
                                     f"{described - wanted} (chart-only ones go in CHART_ONLY)")
@@ -125,7 +170,7 @@ def test_schema_describes_exactly_the_fields_the_chart_exposes():
 
 def schema_property(path: FieldPath) -> dict:
     node = schema()
-    for name in camel(path):
+    for name in value_path(path):
         node = node["properties"][name]
     return node
 
@@ -169,8 +214,11 @@ def test_schema_property_has_the_tree_fields_choices_bounds_and_nullability(path
 
 # -- the chart's rendered args ---------------------------------------------------------------
 
-def lookup(config: BaseModel, path: FieldPath) -> Any:
+def lookup(config: BaseModel | None, path: FieldPath) -> Any:
+    """The field's value; None inside an optional section that is off."""
     for name in path:
+        if config is None:
+            return None
         config = getattr(config, name)
     return config
 
@@ -203,12 +251,31 @@ def test_every_value_reaches_the_arg_of_the_same_path(tmp_path):
                          "numKvBlocks": 64, "asyncScheduling": True, "kvCacheMemoryGb": 2.5},
               "limits": {"maxQueue": 9, "requestTimeoutS": 1.5},
               "routing": {"prefillWeight": 0.5},
+              "router": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5,
+                                         "initialReplicas": 3, "targetOngoingRequests": 16,
+                                         "upscaleDelayS": 5, "downscaleDelayS": 120.5}},
               "conditionalDisaggThreshold": 100, "prefillFailurePolicy": "fail"}
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
     config = AppConfig.from_args(rendered_args("-f", str(tmp_path / "values.yaml")))
+    reached = set()
     for path in EXPOSED:
         try:
-            value = lookup_value(values, camel(path))
+            value = lookup_value(values, value_path(path))
         except KeyError:
             continue
         assert lookup(config, path) == value, ".".join(path)
+        reached.add(path)
+    assert {p for p in EXPOSED if p[0] == "router_autoscaling"} <= reached
+
+
+def test_the_charts_router_values_default_to_the_trees_defaults():
+    """router.autoscaling's values (off by default) are the tree's defaults once turned on;
+    max_replicas has none in the tree (Serve's 1 would not scale)."""
+    args = rendered_args("--set", "router.autoscaling.enabled=true")
+    config = AppConfig.from_args(args).router_autoscaling
+    model = type(config)
+    for name, field in model.model_fields.items():
+        if field.is_required():
+            assert name == "max_replicas"
+            continue
+        assert getattr(config, name) == field.default, name

@@ -57,7 +57,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* The application's args, AppConfig (router/app_config.py): each is the value of the same
      path in snake_case, but num_prefill / num_decode and the replicas' resources (from the
-     prefill / decode groups) and api_key_env (from apiKey). */}}
+     prefill / decode groups), api_key_env (from apiKey) and router_replicas /
+     router_autoscaling (from router). */}}
 {{- define "pd-cluster.appArgs" -}}
 {{- $v := .Values -}}
 {{- $args := dict
@@ -84,7 +85,37 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $v.apiKey.secretName -}}
 {{- $_ := set $args "api_key_env" $v.apiKey.envName -}}
 {{- end -}}
+{{- $_ := set $args "router_autoscaling" (include "pd-cluster.routerAutoscaling" . | fromYaml | default nil) -}}
+{{- if not $args.router_autoscaling -}}
+{{- $_ := set $args "router_replicas" (int $v.router.replicas) -}}
+{{- end -}}
 {{- toYaml $args -}}
+{{- end -}}
+
+{{/* The args' router_autoscaling (empty when router.autoscaling is off): the values in
+     snake_case without `enabled`. AppConfig checks the same rules when the application
+     starts; they are checked here too so that `helm install` fails, not the deployment. */}}
+{{- define "pd-cluster.routerAutoscaling" -}}
+{{- $router := .Values.router -}}
+{{- $scaling := $router.autoscaling -}}
+{{- if $scaling.enabled -}}
+{{- if ne (int $router.replicas) 1 -}}
+{{- fail (printf "router.replicas (%d) with router.autoscaling.enabled: leave router.replicas at 1, Serve then keeps the router between router.autoscaling.minReplicas and maxReplicas" (int $router.replicas)) -}}
+{{- end -}}
+{{- $least := int (default 1 $scaling.minReplicas) -}}
+{{- if not (hasKey $scaling "maxReplicas") -}}
+{{- fail "router.autoscaling.maxReplicas is required with router.autoscaling.enabled" -}}
+{{- end -}}
+{{- $most := int $scaling.maxReplicas -}}
+{{- if lt $most $least -}}
+{{- fail (printf "router.autoscaling.maxReplicas (%d) is below minReplicas (%d)" $most $least) -}}
+{{- end -}}
+{{- $initial := $scaling.initialReplicas -}}
+{{- if and (not (kindIs "invalid" $initial)) (or (lt (int $initial) $least) (gt (int $initial) $most)) -}}
+{{- fail (printf "router.autoscaling.initialReplicas (%d) is outside minReplicas..maxReplicas (%d..%d)" (int $initial) $least $most) -}}
+{{- end -}}
+{{- include "pd-cluster.snakeKeys" (omit $scaling "enabled") -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The Serve config file (same shape as configs/pd.yaml). */}}
