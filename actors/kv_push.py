@@ -8,19 +8,38 @@ ahead of the host.
 
     step k:  L0 ──┬ L1 ──┬ L2 ──┬ ...          (compute, engine thread)
                   └ push L0     └ push L1 ...   (transport pump thread)
+
+Lifecycle of one request's push (`Destination`, keyed by request id in `dests`):
+    add                      writes go out as layers are computed (or wait for the
+                             destination, `set_destination`)
+    finish                   the prefill is done; waiting for every write to land
+        ├─► landed           all DONE: `finish`'s future resolves
+        └─► abandoned        a write failed, or `abort`: the running writes are aborted
+    either way, the request is forgotten and its writes are handed to the transport to drain
+    (transfer/drain.py): once none of them can land, the decode side gets DRAINED for the
+    request, which frees blocks it fenced for it
+The decode side's half of that is `quarantine_late_writes` (its engine's quarantine).
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from actors.transport_pump import TransportPump
 from pd_cluster.scheduler import SchedulerOutput
 from transfer.base import KVTransport, Transfer, TransferError
+from transfer.drain import member_id
+
+# How long past the writer's transport lease a decode engine keeps the blocks of a dropped
+# reservation fenced when no DRAINED comes (the writer died): messages in flight, and a
+# writer's pump that is a moment late noticing its abort.
+QUARANTINE_MARGIN_S = 1.0
 
 
 @dataclass(slots=True)
@@ -113,7 +132,7 @@ class KVPusher:
         skip = max(0, d.skip_blocks - first)
         if first + skip >= last:
             return
-        tid = f"{rid}/{step}/{layer}"
+        tid = member_id(rid, step, layer)   # the decode side's DRAINED names `rid`
         d.transfers.append(tr.write(d.peer, local[skip:], d.remote_blocks[first + skip:last],
                                     range(layer, layer + 1), tid))
         d.transfer_ids.append(tid)
@@ -122,13 +141,12 @@ class KVPusher:
         """After the request's last prefill step: resolves (to the transfer ids) when every
         write landed; fails if one failed. Forgets the request either way."""
         def settle(tr: KVTransport) -> Future:
-            d = self.dests.pop(request_id)
+            d = self.dests[request_id]
             if d.remote_blocks is None:
-                for t in d.transfers:
-                    tr.release(t)
+                self._end(tr, request_id, d)
                 raise TransferError(f"{request_id}: the decode side never gave a destination")
             done = self.pump.wait_all(d.transfers,
-                                      on_end=lambda: [tr.release(t) for t in d.transfers])
+                                      on_end=lambda: self._end(tr, request_id, d))
             out: Future = Future()
             done.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()
                                    else out.set_result(d.transfer_ids))
@@ -136,12 +154,29 @@ class KVPusher:
         return _chain(self.pump.call(settle))
 
     def abort(self, request_id: str) -> None:
-        """Stop pushing a request; its in-flight writes are aborted (the peer is told)."""
+        """Stop pushing a request: no more writes go out, those in flight are drained (the
+        peer is told of the abort, then DRAINED once none of them can land)."""
         def drop(tr: KVTransport) -> None:
-            d = self.dests.pop(request_id, None)
-            for t in d.transfers if d else ():
-                tr.release(t)
+            d = self.dests.get(request_id)
+            if d is not None:
+                self._end(tr, request_id, d)
         self.pump.call(drop)
+
+    def _end(self, tr: KVTransport, request_id: str, d: Destination) -> None:
+        """Forget the request (pump thread) and hand its writes to the transport to drain:
+        the decode side gets DRAINED for the request once none of them can land, at once
+        when all landed. Also after a success: D may drop the reservation before it sees the
+        writes landed (a client gone after the first token), and then the notice frees the
+        fenced blocks at once instead of at their deadline. Runs once per Destination: a
+        wait that ends after an abort finds it gone."""
+        if self.dests.get(request_id) is not d:
+            return
+        del self.dests[request_id]
+        if d.peer is None:   # never had a destination: nothing was posted
+            for t in d.transfers:
+                tr.release(t)
+        else:
+            tr.drain(d.peer, request_id, d.transfers)
 
 
 def _chain(outer: Future) -> Future:
@@ -170,3 +205,13 @@ def expect_transfers(pump: TransportPump, peer: str, transfer_ids: list[str]) ->
         ts = [tr.expect(peer, tid) for tid in transfer_ids]
         return pump.wait_all(ts, on_end=lambda: [tr.release(t) for t in ts])
     return _chain(pump.call(track))
+
+
+async def quarantine_late_writes(loop: Any, pump: TransportPump) -> None:
+    """Decode side of a push (`loop`: the engine's EngineLoop): from now on, the blocks of a
+    reservation that ends before its KV landed (abort, lease expiry, a failed transfer) wait
+    in the engine's quarantine until the writer's DRAINED for the request, or for the
+    transport lease plus QUARANTINE_MARGIN_S, so that no late write reaches a new owner."""
+    window = pump.transport.lease_s + QUARANTINE_MARGIN_S
+    quarantine = await loop.call(lambda e: e.kv.enable_quarantine(window))
+    await asyncio.wrap_future(pump.call(lambda tr: tr.on_drained(quarantine.drained)))

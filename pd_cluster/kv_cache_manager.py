@@ -1,10 +1,13 @@
 """Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching, release.
 
 The scheduler sees only this class; the block allocator's internals stay behind it.
+On a decode engine whose prompts another engine writes, `enable_quarantine` fences the
+written blocks of a request that ends before its KV landed (pd_cluster/kv_cache_quarantine.py).
 """
 from __future__ import annotations
 
 from pd_cluster.block_allocator import Block, BlockAllocator, hash_block
+from pd_cluster.kv_cache_quarantine import KVQuarantine
 from pd_cluster.request import Request
 
 
@@ -19,9 +22,29 @@ class KVCacheManager:
         # late write can never land in a block that has a new owner.
         self._writing: dict[str, int] = {}
         self._deferred: dict[str, list[Block]] = {}
+        self.quarantine: KVQuarantine | None = None   # see enable_quarantine
+
+    def enable_quarantine(self, window_s: float) -> KVQuarantine:
+        """From now on, blocks a peer writes for a request (`free(..., written_from=)`) wait
+        in a quarantine until the peer confirms its writes drained, or for `window_s` (the
+        peer's lease plus a margin). Engine thread; returns the quarantine, whose
+        `drained(key)` any thread may call."""
+        if self.quarantine is None:
+            self.quarantine = KVQuarantine(window_s)
+        self.quarantine.window_s = window_s
+        return self.quarantine
+
+    def settle_quarantine(self) -> None:
+        """Free the quarantined blocks whose writer confirmed, or whose deadline passed."""
+        if self.quarantine is not None:
+            for _, _, blocks in self.quarantine.settle():
+                self.allocator.release(blocks)
 
     @property
     def num_free_blocks(self) -> int:
+        # Read after every step and while idle (the load report): quarantined blocks come
+        # back here even when no request asks for blocks.
+        self.settle_quarantine()
         return self.allocator.num_free
 
     @property
@@ -55,7 +78,7 @@ class KVCacheManager:
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
         # Cached blocks sitting in the free queue are about to be revived, not available.
         revived = sum(1 for b in cached if b.ref_count == 0)
-        return need <= self.allocator.num_free - revived
+        return need <= self.num_free_blocks - revived
 
     def allocate(self, request: Request, num_new_tokens: int,
                  cached: list[Block] | None = None) -> None:
@@ -86,10 +109,20 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, chunk))
             self.allocator.cache(blocks[i], hashes[-1], chunk)
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first so a prefix outlives its suffix in cache."""
+    def free(self, request: Request, written_from: int | None = None) -> None:
+        """Release the request's blocks, tail first so a prefix outlives its suffix in cache.
+
+        `written_from`: a peer was writing the request's blocks from this index on (those
+        past its prefix-cache hit) and may still be: with the quarantine enabled, they wait
+        there under the request id instead of returning to the free list.
+        """
         rid = request.request_id
-        blocks = list(reversed(self._blocks.pop(rid, [])))
+        blocks = self._blocks.pop(rid, [])
+        if written_from is not None and self.quarantine is not None:
+            # The prefix hits before `written_from` are shared and never written by the peer.
+            self.quarantine.hold(rid, blocks[written_from:])
+            blocks = blocks[:written_from]
+        blocks.reverse()
         self._hashes.pop(rid, None)
         request.block_ids = []
         if rid in self._writing:

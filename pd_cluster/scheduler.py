@@ -229,8 +229,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.parked.pop(req.request_id, None)
+        parked = self.parked.pop(req.request_id, None) is not None
         self.holding.pop(req.request_id, None)
         self.draining.pop(req.request_id, None)
-        self.kv.free(req)
+        # A parked request's KV had not landed: its sender may still be writing the blocks
+        # past our prefix hit (the KV cache manager quarantines those, if enabled).
+        self.kv.free(req, req.num_cached_tokens // self.kv.block_size if parked else None)
         self.requests.pop(req.request_id, None)

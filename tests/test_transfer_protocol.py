@@ -1,5 +1,6 @@
 """The transport protocol in one process: block-run merging, typed messages, byte-exact
-write/read, layout checks, aborts, timeouts and leases (local backend, and NIXL loopback)."""
+write/read, layout checks, aborts, drains, timeouts and leases (local backend, and NIXL and
+UCX loopback)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from kv_support import blocks, model_kv, paged_kv, tiny_layout
 from transfer import registry
 from transfer.base import LayoutMismatchError, TransferError, TransferState
+from transfer.drain import in_group, member_id
 from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
 from transfer.registry import make_transport
 from transfer.runs import block_indices, byte_runs
@@ -159,6 +161,29 @@ def test_abort_ends_both_sides(pair) -> None:
     assert t.state in (TransferState.ABORTED, TransferState.DONE)
     b.release(target)
     a.release(t)
+
+
+def test_a_drained_group_reaches_the_receiver_after_its_writes(pair) -> None:
+    """The sender abandons a group of writes (posted, maybe still moving): they end ABORTED
+    at once, but the receiver hears DRAINED only once none of them can land, and the sender
+    holds nothing afterwards."""
+    a, b = pair
+    got: list[str] = []
+    b.on_drained(got.append)
+    ts = [a.write(b.name, [3, 4], [0, 1], transfer_id=member_id("r1", 0, 0)),
+          a.write(b.name, [5], [2], transfer_id=member_id("r1", 0, 1))]
+    a.drain(b.name, "r1", ts)
+    assert all(t.state.finished for t in ts)
+
+    def reported() -> list[str]:
+        a.progress()
+        b.progress()
+        return got
+    wait_until(reported, 10, 1e-3)
+    assert got == ["r1"] and a.in_flight() == 0 and not a._outgoing
+    # The writes were not stopped, only waited for: their bytes are all there.
+    assert torch.equal(blocks(b.kv, [0, 1, 2]), blocks(a.kv, [3, 4, 5]))
+    assert in_group(ts[0].id, "r1") and not in_group(ts[0].id, "r")
 
 
 def test_lease_expires_when_the_peer_stops_renewing() -> None:

@@ -24,6 +24,10 @@ class MsgKind(Enum):
     DONE = "done"          # the sender's transfer touching the receiver's blocks completed
     RENEW = "renew"        # the sender is alive and still using the receiver's blocks
     ABORT = "abort"        # the sender gave up on the transfer; free the blocks it touched
+    # The sender's transfers of one group (`transfer_id` names the group, e.g. a request:
+    # transfer/drain.py) have all completed or failed, and it starts no more: blocks the
+    # receiver fenced off for them may go to a new owner.
+    DRAINED = "drained"
     # Backend-internal kinds, for transports without one-sided memory access (ray, ucx):
     DATA = "data"          # a payload follows / is attached; `runs` says where it lands
     ACK = "ack"            # the receiver of DATA has copied it in

@@ -143,6 +143,16 @@ class NixlTransport(KVTransport):
     def _cancel(self, t: Transfer) -> None:
         self._release(t)
 
+    def _quiet(self, t: Transfer) -> bool:
+        # DONE or ERR: NIXL moves nothing more for this request (a drained write, see
+        # transfer/drain.py). Still PROC: its WRITE may land yet, whatever our Transfer says.
+        if t.handle is None or t.handle is _NOTHING:
+            return True
+        try:
+            return self.agent.check_xfer_state(t.handle) in ("DONE", "ERR")
+        except Exception:  # noqa: BLE001 - NIXL failed the request (the peer is gone)
+            return True
+
     def _release(self, t: Transfer) -> None:
         if t.handle is not None and t.handle is not _NOTHING:
             self._stuck.append(t.handle)

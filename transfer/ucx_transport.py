@@ -21,6 +21,7 @@ import ucxx._lib.libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from transfer.base import KVTransport, Role, Transfer
+from transfer.drain import in_group
 from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
 from transfer.runs import Copy
 
@@ -81,6 +82,14 @@ class UcxTransport(KVTransport):
         if isinstance(t.handle, list):
             self._orphans.extend(t.handle)
         t.handle = None
+
+    def _quiet(self, t: Transfer) -> bool:
+        # Every run's send completed or failed: its bytes left us (the peer's receive,
+        # posted for our DATA before our DRAINED, takes them: `_serving` on its side).
+        return not isinstance(t.handle, list) or all(r.completed for r in t.handle)
+
+    def _serving(self, group: str) -> bool:
+        return any(in_group(tid, group) for tid in self._served)
 
     def _send(self, peer: str, msg: Message) -> None:
         body = msg.encode()
