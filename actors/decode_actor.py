@@ -18,6 +18,8 @@ Lifecycle of a request:
                                  its outputs go to the caller's stream (`outputs`, see
                                  actors/streaming.py), and decode() returns
     abort / lease expiry       → blocks freed; a stream ends with finish_reason "abort"
+    the router's subscriber lease expires (it died; actors/subscribers.py)
+                               → its reservations dropped and its streams aborted
 It also prefills short prompts itself (`generate`, conditional disaggregation and fallback).
 """
 from __future__ import annotations
@@ -60,12 +62,14 @@ class DecodingActor(StreamingEngine):
         await handoff.open_decode(self.end, peers)
         self.handoff = handoff
 
-    async def reserve(self, request_id: str, prompt_ids: list[int],
-                      params: SamplingParams) -> KVDestination | None:
-        """Preallocate the prompt's blocks; None when the KV cache has no room now."""
+    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      sub: str | None = None) -> KVDestination | None:
+        """Preallocate the prompt's blocks; None when the KV cache has no room now. `sub`: the
+        router replica it is for; its lease expiring drops the reservation."""
         got = await self.loop.call(lambda e: e.reserve(prompt_ids, params, request_id))
         if got is None:
             return None
+        self.subscribers.track(sub, request_id)
         _, block_ids, cached = got
         self._leases[request_id] = asyncio.get_running_loop().call_later(
             self.lease_s, self._expire, request_id)
@@ -91,6 +95,7 @@ class DecodingActor(StreamingEngine):
     def _drop_reservation(self, request_id: str) -> None:
         """The one way a request leaves here before its KV landed (abort, lease expiry, a
         failed transfer): lease and destination forgotten, the engine aborts it."""
+        self.subscribers.done(request_id)
         self._dests.pop(request_id, None)
         lease = self._leases.pop(request_id, None)
         if lease is not None:
@@ -112,8 +117,19 @@ class DecodingActor(StreamingEngine):
             self._drop_reservation(request_id)
             raise
         self.stages.append((request_id, called, time.monotonic()))
+        self.subscribers.done(request_id)      # from here on the outbox tracks it
         self.loop.resume_into(request_id, result.token, result.logprobs,
                               self.outbox.queue(sub, request_id))
+
+    def _subscriber_gone(self, sub: str, request_ids: list[str]) -> None:
+        """A router's lease expired: drop its reservations, end its streams."""
+        for request_id in request_ids:
+            self._drop_reservation(request_id)
+        self.outbox.close(sub)
+
+    async def add_peer(self, descriptor: bytes) -> None:
+        """Connect to a prefill engine that joined after us (a restarted replica)."""
+        await self.end.connect(descriptor)
 
     async def stage_times(self) -> list[tuple[str, float, float]]:
         """(request id, decode called, KV landed) of recent requests."""
@@ -125,5 +141,6 @@ class DecodingActor(StreamingEngine):
     async def abort(self, request_id: str) -> None:
         self._drop_reservation(request_id)
 
-    async def load(self) -> ReplicaLoad:
-        return self.end.load()
+    async def load(self, prefix_since: int | None = None) -> ReplicaLoad:
+        """The engine's load report (see KVEndpoint.load, EngineLoop.load)."""
+        return self.end.load(prefix_since)

@@ -14,7 +14,9 @@ Lifecycle of a request:
                                replica); only `abort(id)` stops such a request early
 The engine is touched only by its thread, so it needs no lock; `load()` reads a snapshot
 (a ReplicaLoad, in the name of the replica the loop was made for) that the thread refreshes
-after every step.
+after every step. The thread also publishes the prefix cache's events after every step (one
+lock per step, pd_cluster/block_allocator.py: PrefixEventLog); `load(prefix_since)` adds
+what changed after that cursor (a PrefixReport) for routers.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.messages import DECODE, ReplicaLoad
+from actors.messages import DECODE, PrefixReport, ReplicaLoad
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
@@ -106,6 +108,8 @@ class EngineLoop:
         self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
         self._stopped = False
+        # Before the thread starts: from here on only it touches the allocator.
+        self.prefix_events = self.engine.kv.allocator.record_events()
         self._load = self._snapshot()
         # Diagnostics: (began, ended, waiting, running) of recent steps, monotonic seconds;
         # idle gaps between steps while requests waited show up here, not in step durations.
@@ -175,9 +179,15 @@ class EngineLoop:
         """Cancel a request; its stream ends with a finished output (finish_reason "abort")."""
         self._submit(_Abort(request_id))
 
-    def load(self) -> ReplicaLoad:
-        """Running and waiting requests, KV blocks, prefix-cache counters (a recent snapshot)."""
-        return self._load
+    def load(self, prefix_since: int | None = None) -> ReplicaLoad:
+        """Running and waiting requests, KV blocks, prefix-cache counters (a recent snapshot);
+        with `prefix_since` (a cursor, -1 for none) also the prefix cache's changes after it
+        (`prefix`, a PrefixReport), else no prefix report (the cheap call)."""
+        if prefix_since is None:
+            return self._load
+        log = self.prefix_events
+        return dataclasses.replace(self._load,
+                                   prefix=PrefixReport(log.epoch, *log.changes(prefix_since)))
 
     def shutdown(self) -> None:
         """Stop the engine thread (within a step plus IDLE_WAIT_S); pending requests fail."""
@@ -194,7 +204,7 @@ class EngineLoop:
             self._wake.clear()   # before draining, so a command queued after it wakes us
             self._apply_commands()
             if not self.engine.has_unfinished():
-                self._load = self._snapshot()
+                self._refresh()
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             try:
@@ -207,7 +217,7 @@ class EngineLoop:
                 self._fail_all(EngineFailed(f"engine step failed: {e!r}"))
                 continue
             self._deliver_step(outputs)
-            self._load = self._snapshot()
+            self._refresh()
         self._fail_all(EngineFailed("engine loop shut down"))
 
     def _apply_commands(self) -> None:
@@ -301,6 +311,12 @@ class EngineLoop:
         if isinstance(item, Exception) or item.finished:
             self._sinks.pop(sink.tag, None)
         return sink.tag, item
+
+    def _refresh(self) -> None:
+        """After each step and command batch: what the step cached and evicted, then the load
+        (engine thread)."""
+        self.prefix_events.publish()
+        self._load = self._snapshot()
 
     def _snapshot(self) -> ReplicaLoad:
         sched, kv = self.engine.scheduler, self.engine.kv

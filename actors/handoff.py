@@ -9,9 +9,10 @@ and shared by it and both engine actors:
         blocks into the KV pool, held there for D under the attempt id; D reads the blocks
         it lacks and ends the hold. P and D never address each other.
 
-Lifecycle: the router makes one and, once every replica is up, `connect`s it, which gives
-every engine actor a copy (`open_handoff`); the actor opens it for its role with its
-KVEndpoint (`open_prefill` / `open_decode`). Then, for each attempt at a request:
+Lifecycle: the engine controller makes one and `join`s every engine actor to it as the actor
+becomes ready (and again when a restarted one does), which gives the actor a copy
+(`open_handoff`); the actor opens it for its role with its KVEndpoint (`open_prefill` /
+`open_decode`). Router replicas get a copy with the membership. Then, for each attempt at a request:
     router  destination(reservation)          what P.prefill is told of where the KV goes
     P       send(id, prompt, destination, prefill) → runs the prefill, hands the KV over
     router  accept(id, result, reservation)   the result for D.decode; None: D prefills it
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.engine_loop import EngineLoop
-from actors.kv_push import KVPusher, expect_transfers
+from actors.kv_push import KVPusher, expect_transfers, quarantine_late_writes
 from actors.messages import KVDestination, PooledKV, PrefillResult, PushedKV, ReplicaLoad
 from actors.transport_pump import TransportPump
 from pd_cluster.kv_layout import KVLayout
@@ -78,9 +79,11 @@ class KVEndpoint:
         self.kv_bytes += nbytes
         self.transfer_s += seconds
 
-    def load(self) -> ReplicaLoad:
-        """The engine's load report, with the KV this end has moved."""
-        return dataclasses.replace(self.loop.load(), kv_bytes_transferred=self.kv_bytes,
+    def load(self, prefix_since: int | None = None) -> ReplicaLoad:
+        """The engine's load report, with the KV this end has moved (and the prefix cache's
+        changes after `prefix_since`, see EngineLoop.load)."""
+        return dataclasses.replace(self.loop.load(prefix_since),
+                                   kv_bytes_transferred=self.kv_bytes,
                                    kv_transfer_seconds=self.transfer_s,
                                    transport=self.descriptor.backend)
 
@@ -102,8 +105,12 @@ class KVHandoff(ABC):
 
     # -- the router's side ---------------------------------------------------------------
     @abstractmethod
-    async def connect(self, prefill: Sequence[Any], decode: Sequence[Any]) -> None:
-        """Once every replica is up: open the handoff on each of them (`open_handoff`)."""
+    async def join(self, actor: Any, descriptor: bytes, peers: Sequence[tuple[Any, bytes]]
+                   ) -> None:
+        """Open the handoff on an engine actor that has just loaded its model (`open_handoff`);
+        `descriptor`: its encoded KVDescriptor; `peers`: the ready replicas of the other role
+        as (actor, descriptor). Replicas join one at a time, in any order, and again after
+        a restart (the EngineFleet, router/fleet.py, calls this)."""
 
     @abstractmethod
     def destination(self, reservation: Any) -> list | None:
@@ -156,13 +163,12 @@ def opened(handoff: KVHandoff | None) -> KVHandoff:
 class PushHandoff(KVHandoff):
     """Layer-wise writes from P into D's reserved blocks (actors/kv_push.py)."""
 
-    async def connect(self, prefill: Sequence[Any], decode: Sequence[Any]) -> None:
+    async def join(self, actor: Any, descriptor: bytes, peers: Sequence[tuple[Any, bytes]]
+                   ) -> None:
         # Both ways: two-sided transports (ucx, ray) acknowledge each write, and control
         # messages (leases, aborts) flow back too.
-        p_kv = await asyncio.gather(*[p.kv_descriptor.remote() for p in prefill])
-        d_kv = await asyncio.gather(*[d.kv_descriptor.remote() for d in decode])
-        await asyncio.gather(*[p.open_handoff.remote(self, d_kv) for p in prefill],
-                             *[d.open_handoff.remote(self, p_kv) for d in decode])
+        await actor.open_handoff.remote(self, [d for _, d in peers])
+        await asyncio.gather(*[peer.add_peer.remote(descriptor) for peer, _ in peers])
 
     def destination(self, reservation: Any) -> list:
         # In a list, so the ref reaches P unresolved: P starts while D still reserves.
@@ -216,6 +222,7 @@ class PushHandoff(KVHandoff):
 
     async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
         self.end = end
+        await quarantine_late_writes(end.loop, end.pump)   # P's writes may outlive a request
         for peer in peers:
             await end.connect(peer)
 

@@ -17,6 +17,29 @@ STREAM_BACKPRESSURE = 4
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixReport:
+    """What an engine's prefix cache stored and removed (full blocks' chained hashes, as
+    `prefix_block_hashes` computes them from a prompt), for routers that route on it.
+
+    Lifecycle: a router polls `load(prefix_since=cursor)` with the `cursor` of the last report
+    it applied (-1 when it knows nothing of this replica); the engine answers the net changes
+    after that cursor, or a snapshot (`since` == -1) of every cached hash when its bounded
+    event log no longer reaches back that far. `epoch` names the engine instance: a report
+    under a new epoch (a restarted replica) replaces all the router knew of the old one.
+    """
+
+    epoch: int              # random id of the engine instance
+    since: int              # the changes after this event number; -1: a snapshot
+    cursor: int             # number of the last event included: the next poll's prefix_since
+    stored: list[int]       # hashes cached now (a snapshot: all of them)
+    removed: list[int]      # hashes no longer cached (empty in a snapshot)
+
+    @property
+    def snapshot(self) -> bool:
+        return self.since < 0
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaLoad:
     """What one engine replica reports about itself, its `load()` (counters are totals since
     its start)."""
@@ -36,6 +59,8 @@ class ReplicaLoad:
     # Engine steps by kind ("prefill" | "decode" | "mixed"): steps, seconds and the work in
     # them (see pd_cluster.step_totals).
     steps: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The prefix cache's changes, when asked for (`load(prefix_since=...)`); else None.
+    prefix: PrefixReport | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,8 @@ Lifecycle of a subscriber's stream:
                    of messages
     stream closed  (the subscriber went away) → `on_gone(sub, request ids)` lets the actor
                    abort the requests nobody will read
+    close(sub)     the same, when the subscriber's lease expired (actors/subscribers.py): a
+                   dead router's stream need not close for its requests to end
 """
 from __future__ import annotations
 
@@ -81,6 +83,16 @@ class Outbox:
                 gone = self._open.pop(sub, set())
                 if gone:
                     self.on_gone(sorted(gone))
+
+    def close(self, sub: str) -> None:
+        """The subscriber is gone (its lease expired): end its stream if one is still open
+        and hand its unfinished requests to `on_gone`."""
+        box = self._boxes.pop(sub, None)
+        gone = self._open.pop(sub, set())
+        if box is not None:
+            box.queue.put_nowait(_SUPERSEDED)   # the stream reading it ends
+        if gone:
+            self.on_gone(sorted(gone))
 
     @staticmethod
     def _message(open_ids: set[str], rid: str, item: RequestOutput | Exception

@@ -1,9 +1,10 @@
 """The pool handoff (mode `pooled`): prompt KV goes P → KV pool (a DistributedKVCache) → D.
 
 PoolHandoff is the KVHandoff (actors/handoff.py) of pooled mode:
-    router  at start, one KV pool (sized like a prefill engine's KV cache, on the same
-            transport) to which every engine actor connects; `release(attempt)` ends the
-            attempt's hold there (abort, a dead D, or D without room: D prefills it itself)
+    controller  on the first engine's join, one KV pool (sized like an engine's KV cache,
+            on the same transport) to which every engine actor connects as it joins
+    router  `release(attempt)` ends the attempt's hold there (abort, a dead D, or D without
+            room: D prefills it itself)
     P       after the prefill, puts the prompt's blocks into the pool in one write, keyed by
             `prompt_keys` (full blocks by prefix hash, a partial last block by request) and
             held there for D under the request id; blocks the pool has already are not sent.
@@ -166,12 +167,15 @@ class PoolHandoff(KVHandoff):
         self.timeout_s = timeout_s
         self.pool: Any = None       # the DistributedKVCache actor, once connected
 
-    async def connect(self, prefill: Sequence[Any], decode: Sequence[Any]) -> None:
-        # As many blocks as a prefill engine's KV cache, on its transport: room for what a
-        # prefill engine holds at once, plus a prefix cache the size of one.
-        kv = KVDescriptor.decode(await prefill[0].kv_descriptor.remote())
-        self.pool = start_pool(kv.layout, kv.backend, timeout_s=self.timeout_s)
-        await asyncio.gather(*[a.open_handoff.remote(self, []) for a in [*prefill, *decode]])
+    async def join(self, actor: Any, descriptor: bytes, peers: Sequence[tuple[Any, bytes]]
+                   ) -> None:
+        if self.pool is None:
+            # As many blocks as the first engine's KV cache (P and D run one engine config),
+            # on its transport: room for what a prefill engine holds at once, plus a prefix
+            # cache the size of one. Made by the controller, so it lives as long as it does.
+            kv = KVDescriptor.decode(descriptor)
+            self.pool = start_pool(kv.layout, kv.backend, timeout_s=self.timeout_s)
+        await actor.open_handoff.remote(self, [])
 
     def destination(self, reservation: Any) -> None:
         return None

@@ -13,6 +13,7 @@ Lifecycle of a request:
                              prompt's blocks put into the pool, held for D)
     handed over → done     → blocks released (they stay in the prefix cache) and a
                              PrefillResult goes back to the caller
+    the router's subscriber lease expires (it died; actors/subscribers.py) → aborted
     failure / abort / timeout → the handover is abandoned (push: writes aborted, D is told;
                              pool: the put fails and frees the pool's side), blocks freed,
                              the caller gets the error
@@ -30,6 +31,7 @@ import ray
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff, opened
 from actors.messages import PREFILL, PrefillResult, ReplicaLoad
+from actors.subscribers import Subscribers
 from actors.transport_pump import ms_percentiles
 from kernels import compiles
 from pd_cluster.config import EngineConfig
@@ -48,6 +50,7 @@ class PrefillActor:
         self.end = KVEndpoint(self.loop, transport, timeout_s, f"prefill-{replica_id}-kv")
         self.handoff: KVHandoff | None = None   # the router's, once opened here
         self._releases: set[asyncio.Future] = set()
+        self.subscribers = Subscribers(self._subscriber_gone)
         # Recent requests' stage times (called, prefilled, handover started, KV in place),
         # for diagnosing where a TTFT goes under load (bench/disagg_probe.py).
         self.stages: collections.deque = collections.deque(maxlen=4096)
@@ -63,15 +66,18 @@ class PrefillActor:
         self.handoff = handoff
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      destination: list | None) -> PrefillResult:
+                      destination: list | None, sub: str | None = None) -> PrefillResult:
         """Prefill the prompt and hand its KV over (`destination`: what the router's handoff
-        says of where it goes); returns the first token once the KV is in place."""
+        says of where it goes); returns the first token once the KV is in place. `sub`: the
+        router replica it is for; its lease expiring aborts the prefill."""
         called = time.monotonic()
+        self.subscribers.track(sub, request_id)
         try:
             sent = await opened(self.handoff).send(
                 request_id, prompt_ids, destination,
                 lambda: self._first_output(request_id, prompt_ids, params))
         finally:
+            self.subscribers.done(request_id)
             self._release(request_id)
         landed = time.monotonic()
         self.stages.append((request_id, called, sent.prefilled, sent.started, landed))
@@ -110,8 +116,22 @@ class PrefillActor:
             self.handoff.abort(request_id)
         await self.loop.call(end)
 
-    async def load(self) -> ReplicaLoad:
-        return self.end.load()
+    async def keepalive(self, sub: str) -> None:
+        """Renew `sub`'s lease (actors/subscribers.py)."""
+        self.subscribers.renew(sub)
+
+    def _subscriber_gone(self, sub: str, request_ids: list[str]) -> None:
+        """A router's lease expired: abort the prefills it left here."""
+        for request_id in request_ids:
+            asyncio.ensure_future(self.abort(request_id))
+
+    async def add_peer(self, descriptor: bytes) -> None:
+        """Connect to a decode engine that joined after us (a restarted replica)."""
+        await self.end.connect(descriptor)
+
+    async def load(self, prefix_since: int | None = None) -> ReplicaLoad:
+        """The engine's load report (see KVEndpoint.load, EngineLoop.load)."""
+        return self.end.load(prefix_since)
 
     async def stage_times(self) -> list[tuple[str, float, float, float, float]]:
         """(request id, called, prefilled, handover started, KV in place) of recent requests."""

@@ -7,13 +7,20 @@
 A block whose ref count drops to 0 goes to the tail of the free queue but stays in the hash
 index, so a later request with the same prefix can revive it. Only when the queue hands it out
 for new content is its hash dropped ("lazy eviction").
+
+Routers learn what a cache holds from its events (like vLLM's KV cache events): once an
+engine's owner calls `record_events`, every hash registered in the index is recorded as
+stored and every hash dropped from it as removed, in a PrefixEventLog.
 """
 from __future__ import annotations
 
 import hashlib
+import secrets
+import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -35,6 +42,107 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
+# Fewest events a PrefixEventLog keeps, whatever the cache's size.
+MIN_EVENT_LOG = 1024
+
+
+class PrefixChanges(NamedTuple):
+    """How a prefix cache changed after sequence number `since` (PrefixEventLog.changes)."""
+
+    since: int            # -1: a snapshot, `stored` is every cached hash
+    cursor: int           # sequence number of the last event included
+    stored: list[int]     # hashes cached now that were not at `since`
+    removed: list[int]    # hashes cached at `since` that are not now
+
+
+class PrefixEventLog:
+    """The prefix cache's stored and removed block hashes, numbered 1, 2, ... (the cursor is
+    the number of the last one), for the reports routers poll.
+
+    Lifecycle: the engine thread records events while it steps (`stored`, `removed`,
+    `cleared`: appends to a private list, no lock, O(1) each) and `publish`es them after each
+    step: one lock per step numbers them, appends them to the bounded log and applies them to
+    a mirror of the cached hashes. Any thread then reads `changes(since)`: the net changes
+    after `since`, or a snapshot of the mirror once the log no longer reaches back that far.
+    The log keeps between `capacity` and twice as many events (trimmed in bulk, amortized
+    O(1) per event). An event is a hash `h` (stored) or `~h` (removed; hashes are >= 0).
+    """
+
+    def __init__(self, capacity: int, cached: Iterable[int] = ()) -> None:
+        self.capacity = capacity
+        # This engine instance: a restarted replica's events start over under a new epoch.
+        self.epoch = secrets.randbits(63)
+        self._pending: list[int] = []          # the engine thread's, until published
+        self._reset = False                    # the cache was cleared since the last publish
+        self._lock = threading.Lock()
+        self._events: list[int] = []           # published; _events[i] is number _first + i
+        self._first = 1
+        self._cursor = 0
+        self._cached: set[int] = set(cached)   # the hashes cached as of _cursor
+
+    def stored(self, block_hash: int) -> None:
+        self._pending.append(block_hash)
+
+    def removed(self, block_hash: int) -> None:
+        self._pending.append(~block_hash)
+
+    def cleared(self) -> None:
+        """Every hash left the cache at once: readers get a snapshot (of what follows)."""
+        self._pending.clear()
+        self._reset = True
+
+    def publish(self) -> None:
+        """Make the recorded events visible to `changes` (engine thread, after each step)."""
+        if not self._pending and not self._reset:
+            return
+        pending, self._pending = self._pending, []
+        with self._lock:
+            if self._reset:
+                # One number for the clearing; no window may span it, so any cursor before it
+                # gets a snapshot.
+                self._reset = False
+                self._cached.clear()
+                self._events.clear()
+                self._cursor += 1
+                self._first = self._cursor + 1
+            cached = self._cached
+            for event in pending:
+                if event >= 0:
+                    cached.add(event)
+                else:
+                    cached.discard(~event)
+            self._events += pending
+            self._cursor += len(pending)
+            excess = len(self._events) - self.capacity
+            if excess >= self.capacity:
+                del self._events[:excess]
+                self._first += excess
+
+    @property
+    def cursor(self) -> int:
+        """Number of the last published event."""
+        with self._lock:
+            return self._cursor
+
+    def changes(self, since: int) -> PrefixChanges:
+        """The net changes after event `since` (any thread); a snapshot when `since` is -1,
+        older than the log or newer than the cursor (a cursor of another engine instance)."""
+        with self._lock:
+            cursor = self._cursor
+            if since < 0 or since > cursor or since < self._first - 1:
+                return PrefixChanges(-1, cursor, list(self._cached), [])
+            window = self._events[since - self._first + 1:]
+        # A hash's events alternate (stored, removed, stored...), so two in a row cancel out:
+        # what is left of a hash is its one net change, if any.
+        net: dict[int, bool] = {}
+        for event in window:
+            block_hash = event if event >= 0 else ~event
+            if net.pop(block_hash, None) is None:
+                net[block_hash] = event >= 0
+        return PrefixChanges(since, cursor, [h for h, s in net.items() if s],
+                             [h for h, s in net.items() if not s])
+
+
 @dataclass(slots=True, eq=False)
 class Block:
     block_id: int
@@ -54,6 +162,17 @@ class BlockAllocator:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, Block] = {}
         self.enable_prefix_caching = enable_prefix_caching
+        self.events: PrefixEventLog | None = None   # see record_events
+
+    def record_events(self, capacity: int | None = None) -> PrefixEventLog:
+        """Record from now on which hashes the index stores and removes (once; before the
+        engine steps on another thread). `capacity` defaults to the block count, at least
+        MIN_EVENT_LOG: past that many events an incremental report would be about as large
+        as a snapshot (the cache holds at most that many hashes)."""
+        if self.events is None:
+            self.events = PrefixEventLog(capacity or max(self.num_blocks, MIN_EVENT_LOG),
+                                         self._by_hash)
+        return self.events
 
     @property
     def num_blocks(self) -> int:
@@ -126,13 +245,19 @@ class BlockAllocator:
         if block_hash not in self._by_hash:
             block.block_hash, block.token_ids = block_hash, tuple(token_ids)
             self._by_hash[block_hash] = block
+            if self.events is not None:
+                self.events.stored(block_hash)
 
     def reset_prefix_cache(self) -> None:
         for block in self._by_hash.values():
             block.block_hash, block.token_ids = None, ()
         self._by_hash.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def _drop_hash(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._by_hash[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash, block.token_ids = None, ()

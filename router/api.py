@@ -1,7 +1,9 @@
 """The HTTP surface: FastAPI routes over OpenAIServing, auth, body limits, error bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three need
-`Authorization: Bearer <key>` when an API key is configured), GET /health, GET /metrics.
+`Authorization: Bearer <key>` when an API key is configured), GET /health (each engine pool:
+ready / degraded / pending, and why a replica is pending; 503 while a pool has no READY
+replica), GET /metrics.
 Every error, ours or Starlette's (unknown route, wrong method), is an OpenAI error body.
 """
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -18,27 +21,56 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.errors import APIError, ErrorCode, bad_request, internal, too_large, unauthorized
+from router.membership import PoolState
 from router.serving import OpenAIServing
-from router.streams import LoadMonitor
+from router.streams import LoadMonitor, MembershipWatcher
 
 logger = logging.getLogger(__name__)
 # Body size limit: room for the longest allowed prompt as JSON-escaped text or as token ids.
 BODY_BYTES_BASE = 1 << 20
 BODY_BYTES_PER_TOKEN = 32
+# Which router replica answered: a client (or a test) can tell the replicas apart.
+ROUTER_HEADER = "x-pd-router"
 
 
 class Router:
-    """What the routes need: serving, load monitor, the API key (None: no auth), limits."""
+    """What the routes need: serving, load monitor, membership watcher (None: the client's
+    engines are fixed, as in tests), the API key (None: no auth), limits, and this replica's
+    name (the `x-pd-router` header of every answer)."""
 
     def __init__(self, serving: OpenAIServing, monitor: LoadMonitor,
-                 api_key: str | None) -> None:
-        self.serving, self.monitor, self.api_key = serving, monitor, api_key
+                 watcher: MembershipWatcher | None, api_key: str | None,
+                 name: str = "") -> None:
+        self.serving, self.monitor, self.watcher, self.api_key = serving, monitor, watcher, api_key
+        self.name = name or f"router-{os.getpid()}"
         self.max_body_bytes = BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * serving.max_prompt_tokens
         self.created = int(time.time())
 
-    def authorize(self, request: Request) -> None:
-        """Check the API key; also starts load polling, which needs the running event loop."""
+    def start_background(self) -> None:
+        """Load polling and the membership long poll, on the running event loop, once."""
         self.monitor.ensure_started()
+        if self.watcher is not None:
+            self.watcher.ensure_started()
+
+    def health(self) -> tuple[dict[str, Any], bool]:
+        """/health's body, and whether requests can be served (every pool has a READY
+        replica): ok (every wanted replica READY) | degraded | unavailable."""
+        if self.watcher is None:
+            return {"status": "ok", "router": {"replica": self.name, "pid": os.getpid()}}, True
+        m = self.watcher.membership
+        serving = m is not None and m.serving()
+        ready = serving and all(m.pool_state(r) is PoolState.READY for r in m.roles())
+        body: dict[str, Any] = {
+            "status": "ok" if ready else "degraded" if serving else "unavailable",
+            "router": {"replica": self.name, "pid": os.getpid()}}
+        if m is not None:
+            body.update(membership_version=m.version, pools=m.pools())
+        return body, serving
+
+    def authorize(self, request: Request) -> None:
+        """Check the API key; also starts the background polls, which need the running
+        event loop."""
+        self.start_background()
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -68,11 +100,11 @@ class Router:
                           "owned_by": "pd-cluster", "max_model_len": self.serving.max_model_len}]}
 
 
-def _respond(result: dict[str, Any] | Any) -> Response:
+def _respond(result: dict[str, Any] | Any, router: Router) -> Response:
     if isinstance(result, dict):
-        return JSONResponse(result)
+        return JSONResponse(result, headers={ROUTER_HEADER: router.name})
     return StreamingResponse(result, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache", ROUTER_HEADER: router.name})
 
 
 def create_app(router: Router) -> FastAPI:
@@ -99,8 +131,11 @@ def create_app(router: Router) -> FastAPI:
         return error_response(internal(f"internal error: {e!r}"))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        router.start_background()
+        body, serving = router.health()
+        return JSONResponse(body, status_code=200 if serving else 503,
+                            headers={ROUTER_HEADER: router.name})
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
@@ -118,11 +153,12 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         router.authorize(request)
-        return _respond(await router.serving.completions(await router.json_body(request)))
+        return _respond(await router.serving.completions(await router.json_body(request)),
+                        router)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         router.authorize(request)
-        return _respond(await router.serving.chat(await router.json_body(request)))
+        return _respond(await router.serving.chat(await router.json_body(request)), router)
 
     return app

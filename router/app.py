@@ -1,22 +1,24 @@
 """The Ray Serve application: `import_path: router.app:build_app` in configs/pd.yaml.
 
     build_app(args)            validates args (AppConfig), sizes the engine replicas from
-                               ray.cluster_resources() and binds one router deployment
-    OpenAIRouter.__init__      loads the tokenizer, starts the engine replicas (prefill and
-                               decode, or colocated; pooled: and the DistributedKVCache)
-                               through the mode's EngineClient, waits until they have loaded
-                               the model
+                               ray.cluster_resources(), binds the EngineController
+                               (router/controller.py) and the router deployment
+    OpenAIRouter.__init__      asks the controller for the model (to load the tokenizer) and
+                               the engines' membership, and routes over them; it starts no
+                               engine, so a replacement router serves within seconds
     __serve_build_asgi_app__   the FastAPI app of router/api.py
 
-The engine replicas are plain Ray actors owned by the router replica, not Serve deployments:
-the router must address one exact replica per request (KV-aware routing, a P and a D that
-talk to each other), which Serve's own request routing would hide. Owned actors die with
-their router replica, and Serve restarts a failed router, which starts fresh engines; replica
-counts come from `num_prefill` / `num_decode` and scale independently.
+Two deployments: `EngineController` (one replica) owns the engine replicas, plain Ray
+actors (why: router/controller.py); `OpenAIRouter` (`router_replicas`, or Serve's
+autoscaling) is stateless: any number of replicas route over the same engines, each from the
+engines' own load and prefix reports, each with its own output stream per engine. A router
+replica that dies loses only its own streams: the engines end its requests when its
+subscriber lease expires (actors/subscribers.py).
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -29,12 +31,15 @@ from pd_cluster.config import DEFAULT_MODEL, EngineConfig, ModelConfig, resolve_
 from pd_cluster.tokenizer import load_tokenizer
 from router.api import Router, create_app
 from router.app_config import AppConfig, replica_actor_options
+from router.controller import EngineController
 from router.metrics import RouterMetrics
 from router.routing import RoutingInputs, make_policy
 from router.serving import OpenAIServing
-from router.streams import LoadMonitor
+from router.streams import LoadMonitor, MembershipWatcher
 
 logger = logging.getLogger(__name__)
+# Serve replaces a router replica whose process died at its next health check.
+ROUTER_HEALTH_CHECK_S = 2.0
 # Router replica requests beyond the engines' slots and queue: /health, /metrics, and the
 # requests it answers with 429 must still get through Serve's per-replica limit.
 SPARE_ONGOING_REQUESTS = 64
@@ -71,32 +76,55 @@ def start_client(config: AppConfig, engine: EngineConfig,
     return DisaggregatedClient.start(config, engine, actor_options)
 
 
-@serve.deployment
+def make_client(config: AppConfig, engine: EngineConfig) -> Any:
+    """The mode's EngineClient without engines of its own: a router replica feeds it the
+    controller's membership."""
+    timeout = float(config.limits.request_timeout_s)
+    if config.mode == "colocated":
+        from router.colocated_client import ColocatedClient
+        return ColocatedClient(timeout)
+    from router.disagg_client import DisaggregatedClient
+    return DisaggregatedClient(config.prefill_failure_policy == "recompute", timeout)
+
+
+@serve.deployment(health_check_period_s=ROUTER_HEALTH_CHECK_S)
 @serve.ingress()
 class OpenAIRouter:
-    async def __init__(self, args: dict[str, Any], actor_options: dict[str, dict]) -> None:
+    async def __init__(self, args: dict[str, Any], controller: Any) -> None:
         config = AppConfig.from_args(args)
-        path = model_dir(config)
-        tokenizer = load_tokenizer(path)
+        info = await controller.model_info.remote(ENGINE_START_TIMEOUT_S)
+        tokenizer = load_tokenizer(info.path)
         if tokenizer is None:
             raise ValueError(f"engine.model: {config.engine.model!r} has no tokenizer files; "
                              "the router needs one to serve text")
-        engine = replica_engine(config, path)
-        client = start_client(config, engine, actor_options)
-        await client.wait_ready(ENGINE_START_TIMEOUT_S)
+        engine: EngineConfig = info.engine
+        client = make_client(config, engine)
         metrics = RouterMetrics(config.engine.model)
         policy = make_policy(config.routing.policy, RoutingInputs(
             config.num_prefill, config.num_decode, engine.block_size,
             config.routing.prefill_weight, config.conditional_disagg_threshold))
         serving = OpenAIServing(config, client, policy, tokenizer, engine.max_model_len, metrics)
+        watcher = MembershipWatcher(controller, client, policy, serving.admission, metrics,
+                                    engine.max_num_seqs)
+        # Re-attach to the running engines (a replacement router loads no model).
+        watcher.apply(await controller.membership.remote(-1, 0.0))
+        watcher.ensure_started()
         api_key = _api_key(config)
-        self.router = Router(serving, LoadMonitor(client, policy, metrics), api_key)
-        logger.info("router ready: %s mode, %d prefill + %d decode replicas, auth %s",
-                    config.mode, config.num_prefill, config.num_decode,
-                    "on" if api_key else "off")
+        self.router = Router(serving, LoadMonitor(client, policy, metrics), watcher, api_key,
+                             _replica_name())
+        logger.info("router ready: %s mode, %d prefill + %d decode replicas (membership v%d), "
+                    "auth %s", config.mode, config.num_prefill, config.num_decode,
+                    watcher.membership.version, "on" if api_key else "off")
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.router)
+
+
+def _replica_name() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests build the app directly)
+        return ""
 
 
 def _api_key(config: AppConfig) -> str | None:
@@ -110,7 +138,8 @@ def _api_key(config: AppConfig) -> str | None:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder named in configs/pd.yaml (import_path + args)."""
+    """Serve application builder named in configs/pd.yaml (import_path + args): the engine
+    controller and the router deployment, which gets the controller's handle."""
     config = AppConfig.from_args(args)
     if os.environ.get(HAPROXY_INGRESS_ENV) != "1":
         logger.warning("Ray Serve's Python proxy adds ~8 ms per request; start Ray with "
@@ -118,10 +147,25 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     resources = ray.cluster_resources()
     actor_options = {role: replica_actor_options(config, role, resources)
                      for role in ("prefill", "decode")}
-    # replica_actor_options leaves the router one CPU when the cluster has two or more.
-    router_cpus = 1.0 if resources.get("CPU", 0) >= 2 else 0.0
+    controller = EngineController.bind(dict(args or {}), actor_options)
     ongoing = (config.num_decode * config.engine.max_num_seqs + config.limits.max_queue
                + SPARE_ONGOING_REQUESTS)
-    deployment = OpenAIRouter.options(max_ongoing_requests=ongoing,
-                                      ray_actor_options={"num_cpus": router_cpus})
-    return deployment.bind(dict(args or {}), actor_options)
+    scaling = config.router_deployment_options()
+    routers = scaling.get("num_replicas") or scaling["autoscaling_config"]["max_replicas"]
+    deployment = OpenAIRouter.options(
+        max_ongoing_requests=ongoing, **scaling,
+        ray_actor_options={"num_cpus": router_cpus(config, routers, resources, actor_options)})
+    return deployment.bind(dict(args or {}), controller)
+
+
+def router_cpus(config: AppConfig, routers: int, resources: Mapping[str, float],
+                actor_options: Mapping[str, dict[str, Any]]) -> float:
+    """CPUs of each of (at most) `routers` router replicas: one where the cluster has them
+    beside the engines, else an equal share of what the engines leave
+    (replica_actor_options leaves one CPU)."""
+    engines = sum(actor_options[role].get("num_cpus", 1.0) * n for role, n in
+                  (("prefill", config.num_prefill), ("decode", config.num_decode)))
+    spare = resources.get("CPU", 0) - engines
+    if spare >= routers:
+        return 1.0
+    return max(0.0, math.floor(100 * spare / routers) / 100)

@@ -18,7 +18,9 @@ Failures, by where they happen:
     - D died mid-stream              → re-run on another live D from prompt + tokens already
                                        streamed; the caller sees one continuous stream
     - no live D left                 → EngineUnavailable
-Closing the stream early aborts the request on P and D.
+Closing the stream early aborts the request on P and D. Every engine the client uses holds
+its subscriber lease (renewed by OutputStreams): if this router replica dies, the engines end
+its requests themselves.
 """
 from __future__ import annotations
 
@@ -32,35 +34,34 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from actors.decode_actor import DecodingActor
 from actors.handoff import KVHandoff, PushHandoff
 from actors.messages import StreamAccumulator, StreamDelta
-from actors.pool_client import PoolHandoff
-from actors.prefill_actor import PrefillActor
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
+from router.engine_client import table_loads
+from router.errors import EngineUnavailable
+from router.fleet import EngineFleet
+from router.membership import Membership, ReplicaTable
 from router.output_streams import OutputStreams
 from router.routing import DECODE, PREFILL, ReplicaLoad, Route
 
 log = logging.getLogger(__name__)
-LOAD_TIMEOUT_S = 5.0
 # D's reservations last lease_s (60 s by default); renew them well within that.
 RENEW_EVERY_S = 5.0
 
 
-class EngineUnavailable(RuntimeError):
-    """No live replica can take the request."""
-
-
 class DisaggregatedClient:
-    def __init__(self, prefill: Sequence[Any], decode: Sequence[Any], recompute: bool = True,
-                 handoff: KVHandoff | None = None, timeout_s: float = 120.0):
-        self.prefill, self.decode = list(prefill), list(decode)
-        self.recompute, self.timeout_s = recompute, timeout_s
-        self.handoff = handoff or PushHandoff()
-        self.dead: set[tuple[str, int]] = set()
+    """See the module docstring. Its replicas come from a Membership (`update`): the engine
+    controller's, in a router replica; a fleet of its own (`start`, `over`) in tests and
+    benchmarks, brought up by `wait_ready`."""
+
+    def __init__(self, recompute: bool = True, timeout_s: float = 120.0,
+                 fleet: EngineFleet | None = None):
+        self.recompute, self.timeout_s, self.fleet = recompute, timeout_s, fleet
+        self.table = ReplicaTable()
+        self.handoff: KVHandoff | None = None
         self.streams = OutputStreams()       # D's outputs, one Ray stream per D
         self._tasks: set[asyncio.Task] = set()
         self._where: dict[str, tuple[str, Any, Any]] = {}  # id → (attempt id, P or None, D)
@@ -71,28 +72,53 @@ class DisaggregatedClient:
 
     def __getstate__(self) -> dict:
         # A copy (benchmarks borrow the router's client) leaves our background tasks here.
-        return {**self.__dict__, "_tasks": set()}
+        return {**self.__dict__, "_tasks": set(), "fleet": None}
+
+    @property
+    def prefill(self) -> list[Any]:
+        return self.table.actors[PREFILL]
+
+    @property
+    def decode(self) -> list[Any]:
+        return self.table.actors[DECODE]
 
     @classmethod
     def start(cls, config: AppConfig, engine: EngineConfig,
               actor_options: Mapping[str, dict[str, Any]]) -> "DisaggregatedClient":
-        timeout = float(config.limits.request_timeout_s)
-        p = [PrefillActor.options(**actor_options[PREFILL]).remote(
-            engine, i, config.transport, timeout) for i in range(config.num_prefill)]
-        d = [DecodingActor.options(**actor_options[DECODE]).remote(
-            engine, i, config.transport, timeout) for i in range(config.num_decode)]
-        handoff = PoolHandoff(timeout) if config.mode == "pooled" else PushHandoff()
-        return cls(p, d, config.prefill_failure_policy == "recompute", handoff, timeout)
+        """A client over engines of its own (an unsupervised fleet), brought up by
+        wait_ready: tests and benchmarks without Serve."""
+        fleet = EngineFleet.for_app(config, engine, actor_options, supervise=False)
+        return cls(config.prefill_failure_policy == "recompute",
+                   float(config.limits.request_timeout_s), fleet)
+
+    @classmethod
+    def over(cls, prefill: Sequence[Any], decode: Sequence[Any], recompute: bool = True,
+             handoff: KVHandoff | None = None, timeout_s: float = 120.0,
+             mode: str = "disaggregated") -> "DisaggregatedClient":
+        """A client over actors the caller started (tests)."""
+        fleet = EngineFleet.adopt(mode, prefill, decode, handoff or PushHandoff())
+        return cls(recompute, timeout_s, fleet)
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Every replica has loaded its model, and the KV handoff is open on each (push: every
-        P–D pair connected both ways; pool: every replica to the KV pool)."""
-        async def ready() -> None:
-            await asyncio.gather(*[a.load.remote() for a in self.prefill + self.decode])
-            await asyncio.gather(*[self.streams.subscribe((DECODE, i), d, timeout_s)
-                                   for i, d in enumerate(self.decode)])
-            await self.handoff.connect(self.prefill, self.decode)
-        await asyncio.wait_for(ready(), timeout_s)
+        """Bring this client's own fleet up: every replica loaded and joined to the KV
+        handoff (push: every P–D pair connected both ways; pool: every replica to the KV
+        pool), and D's output streams subscribed."""
+        self.update(await self.fleet.wait_serving(timeout_s))
+        await asyncio.gather(*[self.streams.subscribe(key, d, timeout_s)
+                               for key, d in self.table.keyed() if key[0] == DECODE])
+
+    def update(self, membership: Membership) -> None:
+        """Route over this membership's replicas from now on."""
+        if self.table.update(membership):
+            self.handoff = membership.handoff
+
+    @property
+    def dead(self) -> set[tuple[str, int]]:
+        """Replicas this client found dead and the membership has not replaced yet."""
+        return self.table.dead
+
+    def available(self) -> set[tuple[str, int]]:
+        return self.table.available()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
@@ -125,7 +151,7 @@ class DisaggregatedClient:
                     return
                 except RayActorError as e:
                     self.handoff.release(attempt_id)
-                    self.dead.add((DECODE, d_id))
+                    self.table.mark_dead((DECODE, d_id))
                     d_id = self._live(DECODE, exclude=d_id, cause=e)
                     attempt += 1
                     log.warning("decode replica died; re-running %s on decode %d from %d "
@@ -147,7 +173,7 @@ class DisaggregatedClient:
         if route.prefill_id is not None:
             # Reserve on D and prefill on P at once: P needs D's blocks only for its first
             # writes (pool: not at all), so the reservation's round trip stays off the TTFT path.
-            reservation = d.reserve.remote(attempt_id, prompt, params)
+            reservation = d.reserve.remote(attempt_id, prompt, params, self.streams.sub)
             result = await self._prefill(request_id, attempt_id, prompt, params,
                                          self.handoff.destination(reservation),
                                          route.prefill_id, d)
@@ -184,12 +210,13 @@ class DisaggregatedClient:
         while True:
             p = self.prefill[p_id]
             self._where[request_id] = (attempt_id, p, d)
+            self.streams.lease((PREFILL, p_id), p)
             try:
-                return await _renewing(d, attempt_id, p.prefill.remote(attempt_id, prompt,
-                                                                        params, destination))
+                return await _renewing(d, attempt_id, p.prefill.remote(
+                    attempt_id, prompt, params, destination, self.streams.sub))
             except (RayActorError, RayTaskError) as e:
                 if isinstance(e, RayActorError):
-                    self.dead.add((PREFILL, p_id))
+                    self.table.mark_dead((PREFILL, p_id))
                 if not self.recompute:
                     await d.abort.remote(attempt_id)
                     raise EngineUnavailable(f"prefill failed and prefill_failure_policy is "
@@ -202,16 +229,14 @@ class DisaggregatedClient:
                     # may be half written, so D recomputes the prompt itself.
                     await d.abort.remote(attempt_id)
                     return None
-                alive = [i for i in range(len(self.prefill))
-                         if (PREFILL, i) not in self.dead and i not in tried]
+                alive = [i for i in self.table.live(PREFILL) if i not in tried]
                 if not alive:
                     await d.abort.remote(attempt_id)
                     return None
                 p_id = alive[0]
 
     def _live(self, role: str, exclude: int, cause: Exception) -> int:
-        replicas = self.decode if role == DECODE else self.prefill
-        alive = [i for i in range(len(replicas)) if (role, i) not in self.dead and i != exclude]
+        alive = self.table.live(role, exclude)
         if not alive:
             raise EngineUnavailable(f"no live {role} replica left to continue the request "
                                     f"({_reason(cause)})") from cause
@@ -229,16 +254,9 @@ class DisaggregatedClient:
         if where is not None:
             self._abort_quietly(*where)
 
-    async def loads(self) -> list[ReplicaLoad]:
-        actors = [(PREFILL, i, a) for i, a in enumerate(self.prefill)] + \
-                 [(DECODE, i, a) for i, a in enumerate(self.decode)]
-        live = [(role, i, a) for role, i, a in actors if (role, i) not in self.dead]
-        done = await asyncio.wait_for(asyncio.gather(
-            *[a.load.remote() for _, _, a in live], return_exceptions=True), LOAD_TIMEOUT_S)
-        for (role, i, _), d in zip(live, done):
-            if isinstance(d, RayActorError):
-                self.dead.add((role, i))
-        return [d for d in done if isinstance(d, ReplicaLoad)]
+    async def loads(self, cursors: Mapping[tuple[str, int], int] | None = None
+                    ) -> list[ReplicaLoad]:
+        return await table_loads(self.table, cursors)
 
 
 def _unfinished(out: RequestOutput) -> RequestOutput:

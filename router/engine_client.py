@@ -2,19 +2,25 @@
 
 Implementations: `router.colocated_client.ColocatedClient` (N colocated engines) and
 `router.disagg_client.DisaggregatedClient` (P and D replicas, KV pushed between them).
-`router.app` calls `start`, then `wait_ready`; the router then calls `generate` for every
-engine request it makes (n > 1 makes n of them), `abort` when the client goes away, and
-`loads` to route and to export per-replica metrics.
+A router replica makes one without engines and feeds it the engine controller's Membership
+(`update`, again on every change); tests and benchmarks `start` one with engines of its own
+and `wait_ready`. The router then calls `generate` for every engine request it makes (n > 1
+makes n of them), `abort` when the client goes away, and `loads` to route and to export
+per-replica metrics.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
+
+from ray.exceptions import RayActorError
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
+from router.membership import Membership, ReplicaTable
 from router.routing import ReplicaLoad, Route
 
 
@@ -22,11 +28,18 @@ class EngineClient(Protocol):
     @classmethod
     def start(cls, config: AppConfig, engine: EngineConfig,
               actor_options: Mapping[str, dict[str, Any]]) -> EngineClient:
-        """Create the engine replicas as Ray actors owned by the caller, `actor_options[role]`
-        each ("prefill", "decode"); returns without waiting for them."""
+        """A client with engine replicas of its own (an unsupervised EngineFleet, its actors
+        owned by the caller, `actor_options[role]` each); returns without waiting for them."""
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Return once every replica has loaded its model; TimeoutError after `timeout_s`."""
+        """Bring the client's own engines up: every replica loaded and joined; TimeoutError
+        after `timeout_s`."""
+
+    def update(self, membership: Membership) -> None:
+        """Route over this membership's READY replicas from now on (older ones are ignored)."""
+
+    def available(self) -> set[tuple[str, int]]:
+        """(role, replica id) of the replicas new requests may go to."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  route: Route) -> AsyncIterator[RequestOutput]:
@@ -37,5 +50,29 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; unknown or finished ids are ignored."""
 
-    async def loads(self) -> list[ReplicaLoad]:
-        """One fresh report per replica (prefill and decode)."""
+    async def loads(self, cursors: Mapping[tuple[str, int], int] | None = None
+                    ) -> list[ReplicaLoad]:
+        """One fresh report per replica (prefill and decode): `actor.load(prefix_since=
+        cursors.get((role, replica_id)))`, so a replica the cursors name (the routing policy's
+        `prefix_cursors()`) adds its prefix cache's changes after that cursor (a
+        PrefixReport), and the others, or all without `cursors`, none."""
+
+
+LOAD_TIMEOUT_S = 5.0
+
+
+async def table_loads(table: ReplicaTable, cursors: Mapping[tuple[str, int], int] | None
+                      ) -> list[ReplicaLoad]:
+    """One fresh report per usable replica of `table` (a replica that turns out dead is
+    marked so; one that does not answer within LOAD_TIMEOUT_S is left out this time)."""
+    keyed = table.keyed()
+
+    async def one(key: tuple[str, int], actor: Any) -> Any:
+        ref = (actor.load.remote() if cursors is None
+               else actor.load.remote(prefix_since=cursors.get(key)))
+        return await asyncio.wait_for(ref, LOAD_TIMEOUT_S)
+    done = await asyncio.gather(*[one(k, a) for k, a in keyed], return_exceptions=True)
+    for (key, _), d in zip(keyed, done):
+        if isinstance(d, RayActorError):
+            table.mark_dead(key)
+    return [d for d in done if isinstance(d, ReplicaLoad)]

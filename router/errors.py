@@ -35,6 +35,7 @@ class ErrorCode(_WireEnum):
     QUEUE_FULL = "queue_full"
     REQUEST_TIMEOUT = "request_timeout"
     INTERNAL_ERROR = "internal_error"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
     CLIENT_DISCONNECTED = "client_disconnected"   # a metric label only: nobody is left to tell
 
 
@@ -83,6 +84,16 @@ def overloaded(retry_after_s: int) -> APIError:
     return APIError(429, "The server has too many requests waiting; retry later.",
                     type_=ErrorType.RATE_LIMIT, code=ErrorCode.QUEUE_FULL,
                     headers={"Retry-After": str(retry_after_s)})
+
+
+def unavailable(message: str, retry_after_s: int = 5) -> APIError:
+    """503: no engine replica can take the request now (starting, restarting, pending)."""
+    return APIError(503, message, type_=ErrorType.SERVER, code=ErrorCode.ENGINE_UNAVAILABLE,
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+class EngineUnavailable(RuntimeError):
+    """No live engine replica can take (or continue) the request."""
 
 
 def timed_out(seconds: float) -> APIError:

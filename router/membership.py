@@ -103,13 +103,19 @@ class EngineMember:
 
 @dataclass(frozen=True, slots=True)
 class Membership:
-    """The controller's published view; `version` grows with every change."""
+    """The controller's published view; `version` grows with every change. `epoch` names
+    the fleet (a controller that Serve replaced starts a new one, at version 0): a membership
+    of another epoch is newer whatever its version (`newer_than`)."""
 
     version: int
     mode: str                                # AppConfig.mode
     targets: dict[str, int]                  # wanted replicas per role
     members: tuple[EngineMember, ...] = ()
     handoff: Any = None                      # the KVHandoff the engines run (None: colocated)
+    epoch: str = ""
+
+    def newer_than(self, other: Membership | None) -> bool:
+        return other is None or self.epoch != other.epoch or self.version > other.version
 
     def of(self, role: str) -> list[EngineMember]:
         return sorted((m for m in self.members if m.role == role), key=lambda m: m.replica_id)
@@ -145,3 +151,57 @@ class ModelInfo:
 
     path: str
     engine: Any          # pd_cluster.config.EngineConfig
+
+
+class ReplicaTable:
+    """A router's handles to the engine replicas of one membership, by role and replica id,
+    and which of them it may send new work to: READY in the membership, and not found dead
+    by this router since (it often notices a death before the controller does)."""
+
+    def __init__(self) -> None:
+        self.actors: dict[str, list[Any]] = {PREFILL: [], DECODE: []}
+        self.membership: Membership | None = None
+        self._ids: dict[Key, str] = {}
+        self._usable: set[Key] = set()
+        self._dead_ids: set[str] = set()
+
+    def update(self, membership: Membership) -> bool:
+        """Take a newer membership; False (nothing done) if it is not newer."""
+        if not membership.newer_than(self.membership):
+            return False
+        self.membership = membership
+        for role in (PREFILL, DECODE):
+            n = membership.targets.get(role, 0)
+            self.actors[role] = (self.actors[role] + [None] * n)[:n]
+        self._usable = set()
+        for m in membership.members:
+            if m.actor is not None and m.state in (ReplicaState.READY, ReplicaState.DRAINING):
+                self.actors[m.role][m.replica_id] = m.actor
+                self._ids[m.key] = m.actor_id
+            if m.state is ReplicaState.READY and m.actor_id not in self._dead_ids:
+                self._usable.add(m.key)
+        return True
+
+    def mark_dead(self, key: Key) -> None:
+        self._usable.discard(key)
+        if key in self._ids:
+            self._dead_ids.add(self._ids[key])
+
+    def usable(self, key: Key) -> bool:
+        return key in self._usable
+
+    @property
+    def dead(self) -> set[Key]:
+        """Replicas whose current actor this router found dead (until a new one replaces it)."""
+        return {key for key, actor_id in self._ids.items() if actor_id in self._dead_ids}
+
+    def available(self) -> set[Key]:
+        return set(self._usable)
+
+    def live(self, role: str, exclude: int | None = None) -> list[int]:
+        return sorted(i for r, i in self._usable if r == role and i != exclude)
+
+    def keyed(self) -> list[tuple[Key, Any]]:
+        """(key, handle) of every usable replica: prefill ones first, by replica id."""
+        return [((r, i), self.actors[r][i])
+                for r, i in sorted(self._usable, key=lambda k: (k[0] != PREFILL, k[1]))]

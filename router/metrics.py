@@ -1,7 +1,8 @@
 """Prometheus metrics of the router, vLLM-style, served at /metrics.
 
 Latencies are measured in the router per engine request (what a client sees); per-replica
-gauges and counters come from the replicas' load reports, read at scrape time. Names are
+gauges and counters come from the replicas' load reports, read at scrape time, and pool
+sizes, engine restarts and the membership version from the engine controller's membership. Names are
 the ones the Grafana dashboard (helm/dashboards/pd-cluster.json) queries; replica metrics
 carry `role` ("prefill" | "decode") and `replica` labels.
 """
@@ -16,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from pd_cluster.request import FinishReason
 from pd_cluster.step_totals import STEP_FEATURES
+from router.membership import Membership, ReplicaState
 from router.routing import ReplicaLoad
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -81,6 +83,36 @@ class _ReplicaCollector(Collector):
                     steps, step_s, work)
 
 
+class _MembershipCollector(Collector):
+    """Exports the engine controller's latest membership (set by RouterMetrics.set_membership):
+    its version, each pool's replicas by state and target, each replica's restarts."""
+
+    def __init__(self) -> None:
+        self.membership: Membership | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.membership
+        if m is None:
+            return
+        version = GaugeMetricFamily("pd_membership_version", "Version of the engine "
+                                    "controller's membership this router routes over.")
+        version.add_metric([], m.version)
+        replicas = GaugeMetricFamily("pd_pool_replicas", "Engine replicas of a role, by "
+                                     "state.", labels=("role", "state"))
+        target = GaugeMetricFamily("pd_pool_target_replicas", "Engine replicas of a role "
+                                   "the controller keeps.", labels=("role",))
+        restarts = CounterMetricFamily("pd_engine_restarts", "Engine actors started in a "
+                                       "replica's slot after its first.", labels=_REPLICA)
+        for role in m.roles():
+            target.add_metric([role], m.targets.get(role, 0))
+            for state in ReplicaState:
+                replicas.add_metric([role, state.value],
+                                    sum(1 for r in m.of(role) if r.state is state))
+        for r in m.members:
+            restarts.add_metric([r.role, str(r.replica_id)], r.restarts)
+        yield from (version, replicas, target, restarts)
+
+
 class RouterMetrics:
     """Every metric of one router replica, in its own registry."""
 
@@ -116,9 +148,14 @@ class RouterMetrics:
                             "the engines' running slots.", registry=r)
         self._replicas = _ReplicaCollector()
         r.register(self._replicas)
+        self._membership = _MembershipCollector()
+        r.register(self._membership)
 
     def set_loads(self, loads: Sequence[ReplicaLoad]) -> None:
         self._replicas.loads = list(loads)
+
+    def set_membership(self, membership: Membership) -> None:
+        self._membership.membership = membership
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,7 +7,9 @@ request's own asyncio queue.
 
 Lifecycle of a request:
     open(id, key, actor)  → its queue exists, and the actor's reader runs and has
-                            subscribed (so no output of the request can be missed)
+                            subscribed (so no output of the request can be missed); our
+                            subscriber lease on the actor is renewed in the background
+                            (`lease`, also for actors we do not read: prefill engines)
     the caller starts the request on the actor (generate / decode)
     deltas(id, timeout)   → its StreamDeltas until the finished one; an engine error is
                             raised as RequestRejected / EngineFailed / TimeoutError; if the
@@ -24,9 +26,12 @@ import uuid
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from actors.engine_loop import EngineFailed
 from actors.messages import StreamDelta, StreamError
 from actors.outbox import raise_stream_error
+from actors.subscribers import RENEW_EVERY_S, SUBSCRIBER_LEASE_S
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +40,9 @@ class OutputStreams:
     def __init__(self) -> None:
         self.sub = f"router-{uuid.uuid4().hex[:12]}"   # this replica, to the actors
         self._queues: dict[str, tuple[Hashable, asyncio.Queue]] = {}
-        self._readers: dict[Hashable, asyncio.Task] = {}
+        self._readers: dict[Hashable, tuple[Any, asyncio.Task]] = {}
         self._subscribed: dict[Hashable, asyncio.Future] = {}
+        self._leases: dict[Hashable, tuple[Any, asyncio.Task]] = {}
 
     def __reduce__(self):
         # A copy (a client pickled to another process) is a new subscriber: sharing our id
@@ -53,17 +59,41 @@ class OutputStreams:
     async def subscribe(self, key: Hashable, actor: Any, timeout_s: float = 60.0) -> None:
         """Start reading `actor`'s stream to us unless a live reader does; wait until it holds
         (clients call this for every engine when they start, so requests find it ready)."""
-        reader = self._readers.get(key)
-        loop = asyncio.get_running_loop()
-        # A reader of another event loop is dead (tests run one loop after another).
-        if reader is None or reader.done() or reader.get_loop() is not loop:
+        self.lease(key, actor)
+        if not _running(self._readers.get(key), actor):
+            old = self._readers.get(key)
+            if old is not None:
+                old[1].cancel()       # it read a replaced actor (a restarted replica)
+            loop = asyncio.get_running_loop()
             self._subscribed[key] = loop.create_future()
             # A fresh context: the stream must not count as a child of the request that
             # happened to start it (Ray keeps the calling task in a context variable, and
             # cancelling a request cancels the Ray calls it made).
-            self._readers[key] = loop.create_task(self._read(key, actor),
-                                                  context=contextvars.Context())
+            self._readers[key] = (actor, loop.create_task(self._read(key, actor),
+                                                          context=contextvars.Context()))
         await asyncio.wait_for(asyncio.shield(self._subscribed[key]), timeout_s)
+
+    def lease(self, key: Hashable, actor: Any) -> None:
+        """Keep our subscriber lease on `actor` renewed (actors/subscribers.py): every
+        RENEW_EVERY_S while it lives. A replaced actor's renewals stop."""
+        if _running(self._leases.get(key), actor):
+            return
+        old = self._leases.get(key)
+        if old is not None:
+            old[1].cancel()
+        loop = asyncio.get_running_loop()
+        self._leases[key] = (actor, loop.create_task(self._renew(key, actor),
+                                                     context=contextvars.Context()))
+
+    async def _renew(self, key: Hashable, actor: Any) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(actor.keepalive.remote(self.sub), SUBSCRIBER_LEASE_S)
+            except RayActorError:
+                return              # it died: nothing left to keep
+            except Exception as e:  # noqa: BLE001 - a late answer: the next one may do
+                log.info("lease renewal on %s failed: %r", key, e)
+            await asyncio.sleep(RENEW_EVERY_S)
 
     def fail(self, request_id: str, error: BaseException) -> None:
         """End the request's stream with `error` (raised by deltas())."""
@@ -114,3 +144,14 @@ class OutputStreams:
         for k, queue in list(self._queues.values()):
             if k == key:
                 queue.put_nowait(error)
+
+
+def _running(entry: tuple[Any, asyncio.Task] | None, actor: Any) -> bool:
+    """Whether `entry` is a live task of this event loop for this very actor (by id: each
+    membership update brings new handles to the same actors; a task of another loop is
+    dead: tests run one loop after another)."""
+    if entry is None:
+        return False
+    held, task = entry
+    same = getattr(held, "_actor_id", held) == getattr(actor, "_actor_id", actor)
+    return same and not task.done() and task.get_loop() is asyncio.get_running_loop()

@@ -1,33 +1,53 @@
 """Which replicas serve a request: typed loads and routes, and the pluggable policies.
 
-`kv_aware` (the default) scores every candidate like Dynamo's KV router:
+`kv_aware` (the default) scores every available candidate like Dynamo's KV router:
 
     cost = prefill_weight × (prompt blocks − blocks of the prompt's prefix it holds)
            + KV blocks it has in use
 
 and takes the cheapest: first a decode replica, then, when the prompt's uncached part on that
 D reaches `conditional_disagg_threshold` tokens, a prefill replica (otherwise D prefills the
-prompt itself: conditional disaggregation). Loads come from the replicas' reports, polled by
-the router, plus the blocks routed to each replica since its last report, so a burst between
-two polls does not all land on one replica. Which prefixes a replica holds is approximated by
-a router-side LRU of the block hashes routed to it, sized like its KV cache.
+prompt itself: conditional disaggregation; also when no prefill replica is available).
+
+Every input comes from the engines, so any number of router replicas, each seeing only its
+own routes, route alike over the same engines: loads are the replicas' reports, polled by the
+router (LoadMonitor, router/streams.py), and which prefixes a replica holds is what its prefix
+cache reported storing and evicting (PrefixReport: the block hashes `prefix_block_hashes`
+computes from a prompt, as incremental changes after the cursor this policy hands the poll,
+`prefix_cursors`). Between two polls the policy adds its own recent routes (the blocks routed
+to each replica, and their prefixes until a report lists them), so a burst does not all land
+on one replica and a prefix's repeats follow it to where it went first.
+
+Which replicas may be picked is `set_available` (the controller publishes the READY ones; all
+of RoutingInputs' replicas until then): no available decode replica raises
+NoReplicaAvailable.
 
 No Ray import here: the policies run in the router and in tests; the loads they observe are
 the engine actors' reports (ReplicaLoad, actors/messages.py).
 """
 from __future__ import annotations
 
-import itertools
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from actors.messages import DECODE, PREFILL, ReplicaLoad
+from actors.messages import DECODE, PREFILL, PrefixReport, ReplicaLoad
 from pd_cluster.block_allocator import prefix_block_hashes
 
-# Prefix record size per replica until the replica has reported its KV cache size.
+Key = tuple[str, int]   # (role, replica id)
+
+# Own routes kept per replica until the replica has reported its KV cache size.
 DEFAULT_RECORD_BLOCKS = 4096
+# How long a prefix this router routed somewhere counts as held there without a report
+# listing it: covers the request's wait and prefill plus a poll (LOAD_POLL_S); past that it
+# failed, was aborted or its blocks were evicted again.
+ROUTE_TTL_S = 10.0
+
+
+class NoReplicaAvailable(LookupError):
+    """No decode replica is available to take a request (none is READY)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,110 +70,214 @@ class RoutingInputs:
 
 
 class RoutingPolicy(ABC):
-    """Picks a Route per request; `observe` feeds it the replicas' latest loads."""
+    """Picks a Route per request among the available replicas; `observe` feeds it the
+    replicas' latest loads, `prefix_cursors` says which prefix reports the next poll asks."""
 
     def __init__(self, inputs: RoutingInputs) -> None:
         self.inputs = inputs
+        self._available = {DECODE: list(range(inputs.num_decode)),
+                           PREFILL: list(range(inputs.num_prefill))}
 
     @abstractmethod
-    def route(self, prompt_ids: Sequence[int]) -> Route: ...
+    def route(self, prompt_ids: Sequence[int]) -> Route:
+        """The replicas for a prompt; raises NoReplicaAvailable without a decode replica."""
 
     def observe(self, loads: Sequence[ReplicaLoad]) -> None:
         """New load reports (the default policy ignores them)."""
 
+    def prefix_cursors(self) -> dict[Key, int]:
+        """Per replica, the `prefix_since` of its next load poll (-1: send everything);
+        replicas left out report no prefixes (the default policy needs none)."""
+        return {}
+
+    def set_available(self, keys: Collection[Key]) -> None:
+        """Route only to these (role, replica id) from now on, e.g. the READY replicas."""
+        available: dict[str, list[int]] = {DECODE: [], PREFILL: []}
+        for role, replica_id in keys:
+            if role not in available:
+                raise ValueError(f"unknown replica role {role!r} in {(role, replica_id)}")
+            available[role].append(replica_id)
+        self._available = {role: sorted(ids) for role, ids in available.items()}
+
+    def available(self, role: str) -> list[int]:
+        """The available replica ids of `role`, ascending."""
+        return self._available[role]
+
+    def _decode_ids(self) -> list[int]:
+        ids = self._available[DECODE]
+        if not ids:
+            raise NoReplicaAvailable("no decode replica is available")
+        return ids
+
 
 class RoundRobinPolicy(RoutingPolicy):
-    """Cycles through D and P replicas independently; prompts shorter than the threshold stay
-    on D."""
+    """Cycles through the available D and P replicas independently; prompts shorter than the
+    threshold stay on D."""
 
     def __init__(self, inputs: RoutingInputs) -> None:
         super().__init__(inputs)
-        self._decode = itertools.cycle(range(inputs.num_decode))
-        self._prefill = itertools.cycle(range(inputs.num_prefill))
+        self._turns = {DECODE: 0, PREFILL: 0}
 
     def route(self, prompt_ids: Sequence[int]) -> Route:
-        decode_id, inputs = next(self._decode), self.inputs
-        if not inputs.num_prefill or len(prompt_ids) < inputs.conditional_disagg_threshold:
+        decode_id = self._next(DECODE, self._decode_ids())
+        prefill_ids = self.available(PREFILL)
+        if not prefill_ids or len(prompt_ids) < self.inputs.conditional_disagg_threshold:
             return Route(decode_id)
-        return Route(decode_id, next(self._prefill))
+        return Route(decode_id, self._next(PREFILL, prefill_ids))
+
+    def _next(self, role: str, ids: list[int]) -> int:
+        turn = self._turns[role]
+        self._turns[role] = turn + 1
+        return ids[turn % len(ids)]
 
 
-class PrefixRecord:
-    """LRU set of the block hashes routed to one replica: a guess of what its cache holds."""
+class ReplicaPrefixes:
+    """One router's view of the block hashes one replica's prefix cache holds.
+
+    Lifecycle: nothing known (cursor -1, so the next poll asks a snapshot) → the replica's
+    snapshot fills `cached` → each later report, the changes after `cursor`, applies to it;
+    a report under a new epoch (a restarted engine) replaces it, and a late or inconsistent
+    one is ignored or makes the next poll ask a snapshot again. Between reports the prefixes
+    this router routed there also count as held (`routed`), until a report lists them stored
+    or ROUTE_TTL_S has passed.
+    """
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._hashes: OrderedDict[int, None] = OrderedDict()
+        self.capacity = capacity                # most own routes kept (the replica's blocks)
+        self.epoch: int | None = None
+        self.cursor = -1
+        self.cached: set[int] = set()           # as of `cursor`, from the replica's reports
+        self.routed: OrderedDict[int, float] = OrderedDict()   # hash -> when, oldest first
 
-    def overlap(self, hashes: Sequence[int]) -> int:
-        """Number of leading `hashes` recorded (hashes are chained: a gap ends the prefix)."""
+    def overlap(self, hashes: Sequence[int], now: float) -> int:
+        """Number of leading `hashes` held (hashes are chained: a gap ends the prefix)."""
         n = 0
         for h in hashes:
-            if h not in self._hashes:
-                break
+            if h not in self.cached:
+                when = self.routed.get(h)
+                if when is None or now - when > ROUTE_TTL_S:
+                    break
             n += 1
         return n
 
-    def add(self, hashes: Sequence[int]) -> None:
+    def add_route(self, hashes: Sequence[int], now: float) -> None:
+        """A prompt with these block hashes was routed here: it will hold them."""
         for h in hashes:
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
+            if h not in self.cached:
+                self.routed[h] = now
+                self.routed.move_to_end(h)
+        self._expire(now)
+
+    def apply(self, report: PrefixReport, now: float) -> None:
+        """Fold in one of the replica's reports (see the class docstring)."""
+        if report.epoch != self.epoch:
+            self.epoch = report.epoch
+            self.cached = set(report.stored)
+            # Changes after a cursor of its predecessor mean nothing for what we knew and are
+            # not all it holds: keep them, ask for everything next.
+            self.cursor = report.cursor if report.snapshot else -1
+        elif report.cursor < self.cursor:
+            return                                  # older than what we have (polls overlapped)
+        elif report.snapshot:
+            self.cached = set(report.stored)
+            self.cursor = report.cursor
+        else:
+            self.cached.update(report.stored)
+            self.cached.difference_update(report.removed)
+            # Changes after a cursor newer than ours leave a gap: ask for everything next.
+            self.cursor = report.cursor if report.since <= self.cursor else -1
+        for h in report.stored:                     # reported now: no longer a guess
+            self.routed.pop(h, None)
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        routed = self.routed
+        while routed and (len(routed) > self.capacity
+                          or now - next(iter(routed.values())) > ROUTE_TTL_S):
+            routed.popitem(last=False)
+
+
+@dataclass(slots=True)
+class _Replica:
+    """What the policy knows of one replica."""
+
+    prefixes: ReplicaPrefixes
+    used: int = 0              # KV blocks in use at its last report
+    routed_blocks: int = 0     # blocks this router routed there since that report
 
 
 class KvAwarePolicy(RoutingPolicy):
-    """Dynamo-style cost routing over reported loads; see the module docstring."""
+    """Dynamo-style cost routing over the engines' load and prefix reports; see the module
+    docstring. `clock`: monotonic seconds (tests pass their own)."""
 
-    def __init__(self, inputs: RoutingInputs) -> None:
+    def __init__(self, inputs: RoutingInputs,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(inputs)
-        keys = [(DECODE, i) for i in range(inputs.num_decode)]
-        keys += [(PREFILL, i) for i in range(inputs.num_prefill)]
-        self._used = {k: 0 for k in keys}          # blocks in use at the last report
-        self._routed = {k: 0 for k in keys}        # blocks routed there since that report
-        self._records = {k: PrefixRecord(DEFAULT_RECORD_BLOCKS) for k in keys}
+        self.clock = clock
+        self._replicas: dict[Key, _Replica] = {}
+        for role, ids in self._available.items():
+            for replica_id in ids:
+                self._replica((role, replica_id))
 
     def observe(self, loads: Sequence[ReplicaLoad]) -> None:
+        now = self.clock()
         for load in loads:
-            key = (load.role, load.replica_id)
-            if key not in self._used:
-                continue
-            self._used[key] = load.kv_blocks_used
-            self._routed[key] = 0
+            replica = self._replica((load.role, load.replica_id))
+            replica.used = load.kv_blocks_used
+            replica.routed_blocks = 0
             if load.kv_blocks_total:
-                self._records[key].capacity = load.kv_blocks_total
+                replica.prefixes.capacity = load.kv_blocks_total
+            if load.prefix is not None:
+                replica.prefixes.apply(load.prefix, now)
+
+    def prefix_cursors(self) -> dict[Key, int]:
+        return {key: replica.prefixes.cursor for key, replica in self._replicas.items()}
+
+    def set_available(self, keys: Collection[Key]) -> None:
+        super().set_available(keys)
+        for key in keys:            # a replica new to us: poll its prefixes from now on
+            self._replica(key)
 
     def route(self, prompt_ids: Sequence[int]) -> Route:
         bs = self.inputs.block_size
+        decode_ids = self._decode_ids()
         # The last prompt token is always computed (a hit never covers it), as in the engine.
         hashes = prefix_block_hashes(prompt_ids[:-1], bs)
         num_blocks = -(-len(prompt_ids) // bs)
-        decode_id, overlap = self._cheapest(DECODE, self.inputs.num_decode, hashes, num_blocks)
+        decode_id, overlap = self._cheapest(DECODE, decode_ids, hashes, num_blocks)
         self._assign((DECODE, decode_id), hashes, num_blocks)
         uncached = len(prompt_ids) - overlap * bs
-        if not self.inputs.num_prefill or uncached < self.inputs.conditional_disagg_threshold:
+        prefill_ids = self.available(PREFILL)
+        if not prefill_ids or uncached < self.inputs.conditional_disagg_threshold:
             return Route(decode_id)
-        prefill_id, _ = self._cheapest(PREFILL, self.inputs.num_prefill, hashes, num_blocks)
+        prefill_id, _ = self._cheapest(PREFILL, prefill_ids, hashes, num_blocks)
         self._assign((PREFILL, prefill_id), hashes, num_blocks)
         return Route(decode_id, prefill_id)
 
     def cost(self, role: str, replica_id: int, hashes: Sequence[int],
              num_blocks: int) -> tuple[float, int]:
         """(cost, prefix blocks held) of sending a prompt of `num_blocks` blocks there."""
-        key = (role, replica_id)
-        overlap = self._records[key].overlap(hashes)
-        active = self._used[key] + self._routed[key]
+        replica = self._replica((role, replica_id))
+        overlap = replica.prefixes.overlap(hashes, self.clock())
+        active = replica.used + replica.routed_blocks
         return self.inputs.prefill_weight * (num_blocks - overlap) + active, overlap
 
-    def _cheapest(self, role: str, count: int, hashes: Sequence[int],
+    def _cheapest(self, role: str, ids: list[int], hashes: Sequence[int],
                   num_blocks: int) -> tuple[int, int]:
-        costs = [self.cost(role, i, hashes, num_blocks) for i in range(count)]
-        best = min(range(count), key=lambda i: costs[i][0])   # ties: the lowest id
+        costs = {i: self.cost(role, i, hashes, num_blocks) for i in ids}
+        best = min(ids, key=lambda i: costs[i][0])   # ties: the lowest id
         return best, costs[best][1]
 
-    def _assign(self, key: tuple[str, int], hashes: Sequence[int], num_blocks: int) -> None:
-        self._routed[key] += num_blocks
-        self._records[key].add(hashes)
+    def _assign(self, key: Key, hashes: Sequence[int], num_blocks: int) -> None:
+        replica = self._replica(key)
+        replica.routed_blocks += num_blocks
+        replica.prefixes.add_route(hashes, self.clock())
+
+    def _replica(self, key: Key) -> _Replica:
+        replica = self._replicas.get(key)
+        if replica is None:
+            replica = self._replicas[key] = _Replica(ReplicaPrefixes(DEFAULT_RECORD_BLOCKS))
+        return replica
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {"kv_aware": KvAwarePolicy,

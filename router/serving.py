@@ -17,14 +17,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from actors.messages import DECODE
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import FinishReason
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import Tokenizer
 from router.app_config import AppConfig
 from router.engine_client import EngineClient
-from router.errors import (APIError, ErrorCode, bad_request, internal, model_not_found,
-                           timed_out)
+from router.errors import (APIError, EngineUnavailable, ErrorCode, bad_request, internal,
+                           model_not_found, timed_out, unavailable)
 from router.metrics import RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, parse
 from router.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, sse,
@@ -79,6 +80,13 @@ class OpenAIServing:
                             self.tokenizer, top)
         return await self._serve(req, [self._check_length(ids)], req.requested_max_tokens,
                                  top, fmt)
+
+    def check_available(self) -> None:
+        """503 when no decode replica can take requests (the engines are starting, or every
+        decode replica is restarting)."""
+        if not any(role == DECODE for role, _ in self.client.available()):
+            raise unavailable("No engine replica is ready to serve: the engines are starting "
+                              "or restarting (GET /health says which replicas and why).")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.engine.model:
@@ -135,6 +143,7 @@ class OpenAIServing:
                      prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
                      fmt: Formatter) -> Body:
         jobs = self._jobs(req, prompts, max_tokens, logprobs, fmt.request_id)
+        self.check_available()
         self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         self.admission.acquire(len(jobs))
         outputs = self._outputs(jobs)
@@ -190,6 +199,8 @@ class OpenAIServing:
             return bad_request(str(cause))
         if isinstance(e, TimeoutError):
             return timed_out(self.config.limits.request_timeout_s)
+        if isinstance(e, (EngineUnavailable, LookupError)):   # LookupError: NoReplicaAvailable
+            return unavailable(f"no engine replica can serve the request: {cause}")
         logger.error("request failed: %r", e)
         return internal(f"the request failed: {cause!r}")
 

@@ -4,8 +4,9 @@ replica's client. `LocalRayHarness` hands these to pd_cluster/benchmark/sweep.py
 the benchmarks themselves (`bench/serving_sweep.py` is their command line: `main` here).
 
 Also what any test or benchmark that starts its own Serve app needs: `free_port`,
-`haproxy_wanted`, `ingress_env` (tests/serve_run.py, bench/router_overhead.py) and
-`borrow_client` (a copy of the router replica's EngineClient).
+`haproxy_wanted`, `ingress_env` (tests/serve_run.py, bench/router_overhead.py),
+`borrow_client` (a copy of the router replica's EngineClient) and `engine_actors` (the app's
+engine actor handles: bench/served_vs_offline.py).
 """
 from __future__ import annotations
 
@@ -146,14 +147,32 @@ def _replica_client(replica: Any) -> Any:
     raise RuntimeError("no OpenAIServing found in the router replica")
 
 
-def borrow_client(timeout_s: float) -> Any:
+def borrow_client(timeout_s: float, app: str = APP) -> Any:
     """A copy of the router replica's EngineClient: its engine actors, called from here."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"SERVE_REPLICA::{APP}#")]
+             if a["name"].startswith(f"SERVE_REPLICA::{app}#OpenAIRouter#")]
     if len(names) != 1:
         raise RuntimeError(f"expected one router replica, found {names}")
     replica = ray.get_actor(names[0], namespace="serve")
     return ray.get(replica.__ray_call__.remote(_replica_client), timeout=timeout_s)
+
+
+def engine_actors(app: str = APP, role: str = "decode", timeout_s: float = 60.0) -> list:
+    """The app's READY engine actors of `role` (colocated engines are "decode" ones): from
+    its EngineController deployment's membership when the app has one, else from the router
+    replica's client (`borrow_client`, while the router replica owns the engines)."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is not None and "EngineController" in status.deployments:
+        handle = serve.get_deployment_handle("EngineController", app_name=app)
+        membership = handle.membership.remote().result(timeout_s=timeout_s)
+        return [member.actor for member in membership.ready(role)]
+    client = borrow_client(timeout_s, app)
+    actors = getattr(client, role, None)        # DisaggregatedClient: .prefill, .decode
+    if actors is None:                          # ColocatedClient: .actors, all "decode"
+        actors = client.actors if role == "decode" else []
+    return list(actors)
 
 
 def engine_stages(since: float) -> dict | None:

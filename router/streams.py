@@ -1,14 +1,16 @@
 """Async plumbing of the router: admission with a bounded queue, merging choice streams,
-polling the replicas' loads."""
+polling the replicas' loads, following the engine controller's membership."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from actors.messages import DECODE
 from router.engine_client import EngineClient
 from router.errors import overloaded
+from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.routing import ReplicaLoad, RoutingPolicy
 
@@ -16,6 +18,8 @@ T = TypeVar("T")
 RETRY_AFTER_S = 1
 # Between two load reports the routing policy adds what it routed itself, so this can be slow.
 LOAD_POLL_S = 1.0
+# A membership long poll returns at the latest after this (sooner on a change).
+MEMBERSHIP_POLL_S = 10.0
 logger = logging.getLogger(__name__)
 
 
@@ -128,7 +132,8 @@ class LoadMonitor:
             self._task = asyncio.get_running_loop().create_task(self._poll())
 
     async def refresh(self) -> list[ReplicaLoad]:
-        loads = await self.client.loads()
+        loads = await self.client.loads(self.policy.prefix_cursors())
+        self.policy.set_available(self.client.available())   # it may have found one dead
         self.policy.observe(loads)
         self.metrics.set_loads(loads)
         return loads
@@ -140,3 +145,52 @@ class LoadMonitor:
             except Exception as e:  # noqa: BLE001 - keep the last reports, try again later
                 logger.warning("load poll failed: %r", e)
             await asyncio.sleep(LOAD_POLL_S)
+
+
+class MembershipWatcher:
+    """Keeps this router replica's view of the engines current: long-polls the engine
+    controller's membership (router/controller.py) and hands each new version to the client
+    (which replicas to use), the routing policy (which it may pick), admission (the running
+    slots of the READY decode replicas) and the metrics."""
+
+    def __init__(self, controller: Any, client: EngineClient, policy: RoutingPolicy,
+                 admission: Admission, metrics: RouterMetrics, max_num_seqs: int) -> None:
+        self.controller, self.client, self.policy = controller, client, policy
+        self.admission, self.metrics, self.max_num_seqs = admission, metrics, max_num_seqs
+        self.membership: Membership | None = None
+        self._task: asyncio.Task | None = None
+
+    def apply(self, membership: Membership) -> None:
+        old = self.membership
+        if not membership.newer_than(old):
+            return
+        self.membership = membership
+        self.client.update(membership)
+        self.sync()
+        self.admission.capacity = len(membership.ready(DECODE)) * self.max_num_seqs
+        self.metrics.set_membership(membership)
+        if old is not None:
+            for m in membership.members:
+                was = next((o for o in old.members if o.key == m.key), None)
+                if was is None or (was.state, was.actor_id) != (m.state, m.actor_id):
+                    logger.info("engine replica %s-%d: %s%s", m.role, m.replica_id, m.state,
+                                f" ({m.detail})" if m.detail else "")
+
+    def sync(self) -> None:
+        """Tell the policy which replicas the client may use now."""
+        self.policy.set_available(self.client.available())
+
+    def ensure_started(self) -> None:
+        """Long-poll on the running event loop (the replica's), once."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            m = self.membership
+            try:
+                self.apply(await self.controller.membership.remote(
+                    m.version if m else -1, MEMBERSHIP_POLL_S, m.epoch if m else None))
+            except Exception as e:  # noqa: BLE001 - keep the last view, ask again
+                logger.warning("membership poll failed: %r", e)
+                await asyncio.sleep(LOAD_POLL_S)

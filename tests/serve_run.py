@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,21 +27,27 @@ SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
 START_TIMEOUT_S = 600
 
 
-def _healthy(url: str) -> bool:
-    """The app's own /health answers 200 (before the app's routes exist HAProxy answers 404,
-    while its replica is not yet checked up 503: urlopen raises on both)."""
+def health(url: str) -> tuple[int, dict | None]:
+    """The app's own /health: (status, its JSON body); (0, None) while it has no answer of its
+    own (before the app's routes exist HAProxy answers 404 with no JSON body)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read())
+        except ValueError:
+            return 0, None
+    except (OSError, ValueError):
+        return 0, None
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, serving: bool) -> None:
     def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"serve run exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        return _healthy(url)
+        status, body = health(url)
+        return status == 200 if serving else body is not None
     try:
         wait_until(healthy, START_TIMEOUT_S, 1.0)
     except TimeoutError:
@@ -48,10 +56,11 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 
 @contextlib.contextmanager
-def serve_run(args_overrides: dict) -> Iterator[str]:
+def serve_run(args_overrides: dict, num_cpus: int = 2, serving: bool = True) -> Iterator[str]:
     """URL of `serve run` on a temp copy of configs/pd.yaml (args updated), on a private local
-    Ray (2 CPUs; the tests' shared Ray is stopped first) and a free loopback port; everything
-    is stopped afterwards.
+    Ray (`num_cpus` logical CPUs; the tests' shared Ray is stopped first) and a free loopback
+    port, once /health says it serves (or, not `serving`, once the router answers /health at
+    all); everything is stopped afterwards.
 
     Ray starts with HAProxy ingress, as shipped (RAY_SERVE_ENABLE_HA_PROXY=0 in the
     environment: Serve's Python proxy instead), HAProxy's other listeners on free ports.
@@ -59,18 +68,19 @@ def serve_run(args_overrides: dict) -> Iterator[str]:
     and parallel runs do not clash.
     """
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    with environ(ingress_env(haproxy_wanted())), _serve_run(args_overrides) as url:
+    with environ(ingress_env(haproxy_wanted())), _serve_run(args_overrides, num_cpus,
+                                                           serving) as url:
         yield url
 
 
 @contextlib.contextmanager
-def _serve_run(args_overrides: dict) -> Iterator[str]:
+def _serve_run(args_overrides: dict, num_cpus: int, serving: bool) -> Iterator[str]:
     work = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))   # short: Ray's socket paths
     config = yaml.safe_load(SERVE_CONFIG.read_text())
     config["applications"][0]["args"].update(args_overrides)
     (work / "pd.yaml").write_text(yaml.safe_dump(config))
     stop_shared_ray()       # the actor tests' Ray, if it runs: this one has its own settings
-    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="serve",
+    ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="serve",
                    log_to_driver=False, _temp_dir=str(work / "ray"))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -82,7 +92,7 @@ def _serve_run(args_overrides: dict) -> Iterator[str]:
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, log)
+        _wait_healthy(url, proc, log, serving)
         yield url
     finally:
         proc.send_signal(signal.SIGINT)       # serve run shuts the app down on Ctrl-C

@@ -64,7 +64,10 @@ class ScriptedClient:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    async def loads(self) -> list[ReplicaLoad]:
+    def available(self) -> set[tuple[str, int]]:
+        return {(DECODE, 0)}
+
+    async def loads(self, cursors=None) -> list[ReplicaLoad]:
         return [ReplicaLoad(DECODE, 0, num_running=len(self.active), kv_blocks_total=10)]
 
 
@@ -82,7 +85,7 @@ def make_client(tokenizer, **args) -> tuple[TestClient, ScriptedClient]:
     metrics = RouterMetrics(config.engine.model)
     policy = make_policy("kv_aware", RoutingInputs(0, 1, config.engine.block_size))
     serving = OpenAIServing(config, engine, policy, tokenizer, MAX_MODEL_LEN, metrics)
-    router = Router(serving, LoadMonitor(engine, policy, metrics), KEY)
+    router = Router(serving, LoadMonitor(engine, policy, metrics), None, KEY)
     return TestClient(create_app(router), raise_server_exceptions=False), engine
 
 

@@ -1,0 +1,92 @@
+"""EngineController: the one owner of an application's engine replicas (a Serve deployment).
+
+    __init__            validates the args, then in the background: resolves the model (the
+                        bundled default is fetched on first use), starts the EngineFleet
+                        (router/fleet.py) of the config's prefill and decode replicas
+    model_info()        where the model is and the engine config every replica runs with
+                        (router replicas need it to tokenize)
+    membership(v, t, e) the fleet's Membership once its version is past v, at once if e is
+                        not its epoch (a long poll of at most t seconds): every router
+                        replica keeps one open
+    drain(role, id)     stop routing to a replica, wait until it is idle, stop it
+    (Serve stops it)    its engine actors die with it
+
+Why a Serve deployment of the application, with one replica, and the engines plain Ray
+actors it creates:
+  - Engines must outlive router replicas (minutes of model loading, every KV cache), so
+    their owner is not a router. Ray kills an actor with its owner; the controller does no
+    per-token work (it starts, health-checks and restarts engines), so it is far less
+    exposed than a router that tokenizes prompts and streams every token.
+  - Engines must die with the application: `serve delete` / `serve shutdown` stops the
+    controller's replica, and the actors it owns go with it. A detached actor would
+    survive a router too, but outlive a deleted application unless something killed it.
+  - Routers must address one exact engine per request (KV-aware routing, a P and a D that
+    talk to each other), which Serve's own request routing over engine deployments would
+    hide; the Membership hands routers the actor handles themselves. Each router replica
+    keeps its one output stream per engine (router/output_streams.py) and routes from the
+    engines' own load and prefix reports; D keeps its reservations, so routers never
+    double-book KV.
+  - Serve supervises the controller like any replica: if it fails, Serve replaces it, and
+    the new one starts the engines afresh (the only case where engines restart with it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+
+from router.app_config import AppConfig
+from router.fleet import EngineFleet
+from router.membership import Membership, ModelInfo
+
+logger = logging.getLogger(__name__)
+LONGEST_POLL_S = 30.0
+# Long polls from every router replica stay open here, besides drains and model queries.
+MAX_ONGOING = 1000
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=MAX_ONGOING,
+                  ray_actor_options={"num_cpus": 0})
+class EngineController:
+    async def __init__(self, args: dict[str, Any], actor_options: dict[str, dict]) -> None:
+        self.config = AppConfig.from_args(args)
+        self.actor_options = actor_options
+        self.fleet: EngineFleet | None = None
+        self._info: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._start = asyncio.get_running_loop().create_task(self._start_engines())
+
+    async def _start_engines(self) -> None:
+        from router.app import model_dir, replica_engine   # the app module imports us
+        try:
+            # The bundled model's first fetch downloads and converts it: off the event loop.
+            path = await asyncio.to_thread(model_dir, self.config)
+            engine = replica_engine(self.config, path)
+        except Exception as e:  # noqa: BLE001 - every router replica's start reports it
+            logger.exception("cannot resolve the model")
+            self._info.set_exception(e)
+            return
+        self._info.set_result(ModelInfo(path, engine))
+        self.fleet = EngineFleet.for_app(self.config, engine, self.actor_options)
+        self.fleet.start()
+        logger.info("engine controller: starting %s", ", ".join(
+            f"{n} {role}" for role, n in self.fleet.targets.items()))
+
+    async def model_info(self, timeout_s: float = 900.0) -> ModelInfo:
+        return await asyncio.wait_for(asyncio.shield(self._info), timeout_s)
+
+    async def membership(self, since_version: int = -1, timeout_s: float = 0.0,
+                         epoch: str | None = None) -> Membership:
+        await self._info
+        return await self.fleet.wait_membership(since_version, min(timeout_s, LONGEST_POLL_S),
+                                                epoch)
+
+    async def drain(self, role: str, replica_id: int, timeout_s: float = 600.0) -> Membership:
+        await self._info
+        return await self.fleet.drain(role, replica_id, timeout_s)
+
+    def __del__(self) -> None:
+        # Serve calls this on a graceful stop; the engines would die with us anyway.
+        if self.fleet is not None:
+            self.fleet.shutdown()
