@@ -24,6 +24,8 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -40,6 +42,12 @@ logger = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps before re-checking for shutdown.
 IDLE_WAIT_S = 0.5
+# The engine thread shares the GIL with the actor's event loop (outputs, Ray streams). Each
+# step it lets go of the GIL while the GPU works; taking it back, it waits until the loop's
+# thread lets go, which a thread busy in Python does only every switch interval (5 ms by
+# default): up to 5 ms added to a 10-15 ms decode step. A shorter interval bounds that wait.
+# PD_ENGINE_SWITCH_INTERVAL_S overrides it (benchmarks compare the two).
+SWITCH_INTERVAL_S = float(os.environ.get("PD_ENGINE_SWITCH_INTERVAL_S", "0.0005"))
 
 
 class RequestRejected(ValueError):
@@ -100,6 +108,7 @@ class EngineLoop:
     def __init__(self, config: EngineConfig, stall_timeout_s: float = 600.0,
                  role: str = DECODE, replica_id: int = 0) -> None:
         self.engine = LLMEngine(config)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)        # process-wide: this is the engine's
         self.role, self.replica_id = role, replica_id   # whose load() reports it is
         self.stall_timeout_s = stall_timeout_s   # longest wait for a request's next output
         self._commands: collections.deque[_Add | _Abort | _Resume | _Call] = collections.deque()
