@@ -214,4 +214,15 @@ async def quarantine_late_writes(loop: Any, pump: TransportPump) -> None:
     transport lease plus QUARANTINE_MARGIN_S, so that no late write reaches a new owner."""
     window = pump.transport.lease_s + QUARANTINE_MARGIN_S
     quarantine = await loop.call(lambda e: e.kv.enable_quarantine(window))
-    await asyncio.wrap_future(pump.call(lambda tr: tr.on_drained(quarantine.drained)))
+    actor_loop = asyncio.get_running_loop()
+
+    def drained(request_id: str) -> None:   # pump thread
+        quarantine.drained(request_id)
+        # Most notices come before any hold (every push ends with one) and wait in the
+        # quarantine's inbox. One for blocks held now frees them on an engine step, which an
+        # idle engine would not take for a while: ask it to settle now. (A racy read of the
+        # engine thread's dict, at worst a needless or a missed early wake-up.)
+        if request_id in quarantine:
+            asyncio.run_coroutine_threadsafe(
+                loop.call(lambda e: e.kv.settle_quarantine()), actor_loop)
+    await asyncio.wrap_future(pump.call(lambda tr: tr.on_drained(drained)))

@@ -70,6 +70,7 @@ class KVQuarantine:
         if not blocks:
             return
         now = time.monotonic()
+        self._take_inbox(now)    # a confirmation that came just before counts
         self._held.setdefault(key, []).append(_Held(list(blocks), now + self.window_s))
         self._next_deadline = min(self._next_deadline, now + self.window_s)
         self.stats.held += 1
@@ -87,13 +88,7 @@ class KVQuarantine:
         now = time.monotonic()
         if not self._inbox and not self._ready and now < self._next_deadline:
             return []
-        while self._inbox:
-            key = self._inbox.popleft()
-            if key in self._held:
-                self._ready.add(key)
-            else:
-                self._early[key] = now + self.window_s
-                self._next_deadline = min(self._next_deadline, now + self.window_s)
+        self._take_inbox(now)
         out = [(key, Release.DRAINED, h.blocks) for key in self._ready
                for h in self._held.pop(key, ())]
         self._ready.clear()
@@ -113,6 +108,15 @@ class KVQuarantine:
             else:
                 self.stats.expired += 1
         return out
+
+    def _take_inbox(self, now: float) -> None:
+        while self._inbox:
+            key = self._inbox.popleft()
+            if key in self._held:
+                self._ready.add(key)
+            else:
+                self._early[key] = now + self.window_s
+                self._next_deadline = min(self._next_deadline, now + self.window_s)
 
     def __contains__(self, key: str) -> bool:
         return key in self._held
