@@ -25,6 +25,11 @@ FAMILIES = {
                    dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1,
                                                              sliding_window=None)),
+    # Tensor parallelism's awkward shapes: a vocabulary no rank count divides (padded), tied
+    # to the embedding, and one KV head (replicated on every rank).
+    "llama_odd_vocab": ("LlamaConfig", "LlamaForCausalLM",
+                        dict(vocab_size=VOCAB - 3, num_key_value_heads=1,
+                             tie_word_embeddings=True)),
 }
 
 

@@ -1,4 +1,5 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP (its linear
+layers tensor-parallel: `pd_cluster.models.parallel`).
 
 Each op has one torch implementation here; `pd_cluster.models.ops` swaps in fused Triton
 kernels on GPU when they are importable.
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from pd_cluster.models import ops
+from pd_cluster.models.parallel import MergedColumnParallelLinear, RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -79,19 +81,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose matmul goes through `ops.linear` (a Triton kernel for small batches on
-    GPU where it beats cuBLAS)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
-
-
 class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): gate and up column-parallel in one matmul, down
+    row-parallel, so each rank's [T, intermediate / tp] activation never leaves it."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
+                                                       bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden] (summed over the ranks)."""
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

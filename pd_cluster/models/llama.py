@@ -3,6 +3,11 @@
 Tokens of all sequences of a step are flattened into one [T] batch; attention metadata and
 the KV cache travel in the ForwardContext. q/k/v and gate/up are packed into single matmuls;
 `load_weights` slices Hugging Face's separate tensors into them.
+
+Tensor parallel: the layers split themselves over `get_tp()`'s ranks when built
+(`pd_cluster.models.parallel`); each rank holds num_heads / tp query heads and its share of
+the KV heads (`kv_head_shard`), and its attention backend and KV cache see only those.
+Every rank returns the same hidden states and full-vocabulary logits.
 """
 from __future__ import annotations
 
@@ -12,25 +17,32 @@ import torch
 from torch import nn
 
 from pd_cluster.config import ModelConfig
+from pd_cluster.distributed import check_tp, get_tp
 from pd_cluster.forward_context import ForwardContext
-from pd_cluster.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from pd_cluster.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pd_cluster.models.parallel import (ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                                        VocabParallelEmbedding, default_weight_loader)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, bias=cfg.qkv_bias)
+        # This rank's heads (all of them at tp = 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # Per head, so the split over ranks leaves them whole.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden] (summed over the ranks by o_proj)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -63,18 +75,20 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # HF name fragment -> (our packed parameter, shard index)
-    PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if get_tp().size > 1:
+            check_tp(cfg, get_tp().size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:     # same vocabulary split, so the same rows on each rank
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -89,10 +103,12 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """hidden [S, hidden] -> fp32 logits [S, vocab_size], the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; raises if a model parameter is left unset."""
+        """Copy HF-named tensors in (this rank's slice of each); raises if a model parameter
+        is left unset."""
         params = dict(self.named_parameters())
         unset = set(params)
         if self.cfg.tie_word_embeddings:
@@ -103,16 +119,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param = params[target]
             with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
-                else:
-                    start, size = self._shard_range(target, shard)
-                    param[start:start + size].copy_(tensor)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
             unset.discard(target)
         if unset:
             raise ValueError(f"checkpoint lacks weights for: {sorted(unset)[:5]}")
 
-    def _map_name(self, name: str) -> tuple[str | None, int | None]:
+    def _map_name(self, name: str) -> tuple[str | None, str | int | None]:
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None, None
         name = name.removeprefix("model.")
@@ -120,10 +132,3 @@ class LlamaForCausalLM(nn.Module):
             if f".{hf}." in name:
                 return name.replace(hf, ours), shard
         return name, None
-
-    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
-        c = self.cfg
-        if "qkv_proj" in target:
-            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][shard]
-        return shard * c.intermediate_size, c.intermediate_size

@@ -29,8 +29,16 @@ def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if "norm" in name:
+                continue
+            full = getattr(p, "full_shape", tuple(p.shape))
+            if full == tuple(p.shape):      # the whole tensor (every parameter at tp = 1)
                 p.normal_(0, 0.02, generator=gen)
+            else:
+                # A tensor-parallel shard: every rank draws the whole tensor from the same
+                # seed and keeps its slice, so the ranks' shards make one model (tp = 1's).
+                whole = torch.empty(full, dtype=p.dtype, device=device)
+                p.weight_loader(p, whole.normal_(0, 0.02, generator=gen))
 
 
 def load_model(model_dir: str | None, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
