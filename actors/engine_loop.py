@@ -203,6 +203,7 @@ class EngineLoop:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=60)
+        self.engine.close()
 
     def _submit(self, command: _Add | _Abort | _Resume | _Call) -> None:
         self._commands.append(command)
@@ -224,10 +225,22 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the thread
                 logger.exception("engine step failed")
                 self._fail_all(EngineFailed(f"engine step failed: {e!r}"))
+                self._exit_if_ranks_died()
                 continue
             self._deliver_step(outputs)
             self._refresh()
         self._fail_all(EngineFailed("engine loop shut down"))
+
+    def _exit_if_ranks_died(self) -> None:
+        """A tensor-parallel rank died: this engine can never step again. End the process,
+        so that its replica is seen dead at once (its requests migrate, the controller
+        restarts it) rather than failing every request it is given."""
+        dead = self.engine.dead_ranks()
+        if dead:
+            logger.error("tensor-parallel rank(s) %s of this engine died; exiting so that the "
+                         "replica is replaced", dead)
+            logging.shutdown()
+            os._exit(1)
 
     def _apply_commands(self) -> None:
         while self._commands:

@@ -130,6 +130,9 @@ class EngineConfig(BaseModel):
         "plan and launch step k+1 before step k's tokens are read; null: on a GPU only (on a "
         "CPU the launch computes the step, so each output would wait one step for nothing)"))
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "GPUs (ranks) one engine replica spans: heads, MLP and vocabulary split across them; "
+        "ranks other than the first run in child processes of the engine's"))
 
     @classmethod
     def of(cls, **fields: Any) -> EngineConfig:
@@ -150,12 +153,15 @@ class EngineConfig(BaseModel):
             raise ValueError("must not be blank")
         return value
 
-    def torch_device(self) -> torch.device:
+    def torch_device(self, rank: int = 0) -> torch.device:
+        """The device of tensor-parallel rank `rank` (on CUDA: the rank-th visible GPU)."""
         import torch
 
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device("cuda" if self.device == "auto" and torch.cuda.is_available()
+                              else "cpu" if self.device == "auto" else self.device)
+        if device.type == "cuda" and self.tensor_parallel_size > 1:
+            return torch.device("cuda", (device.index or 0) + rank)
+        return device
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
         import torch

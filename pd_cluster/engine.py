@@ -73,6 +73,14 @@ class LLMEngine:
         self.kv.allocator.reset_prefix_cache()
         self.scheduler.stats = SchedulerStats()
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one); the engine is done."""
+        self.runner.close()
+
+    def dead_ranks(self) -> list[int]:
+        """Tensor-parallel ranks whose process has exited (none with one rank)."""
+        return self.runner.workers.dead() if self.runner.workers is not None else []
+
     @property
     def kv_cache(self):
         return self.runner.kv_cache

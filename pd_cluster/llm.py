@@ -24,6 +24,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.of(model=DEFAULT_MODEL if model is None else model,
                                                 **kwargs))
 
+    def close(self) -> None:
+        """Stop the engine's other ranks (`tensor_parallel_size` > 1); also on `with` exit."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

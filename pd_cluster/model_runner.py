@@ -7,17 +7,23 @@ non-blocking copies, and the sampled tokens come back in a `LaunchedStep` that i
 so the engine can plan and launch the next step while this one runs (async scheduling). A
 decode whose input token is still on the device (PENDING_TOKEN) takes it from the previous
 step's sampled tokens, on the device.
+
+With `tensor_parallel_size` N > 1 this runner is rank 0 of N: it starts ranks 1..N-1
+(pd_cluster/tp_workers.py), whose runners `follow` it: it broadcasts each step's host inputs
+(StepInputs), every rank runs the forward pass on its shard and computes the sampling rows'
+logits, rank 0 samples and broadcasts the tokens. Each rank's KV cache holds its own KV heads.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
 from pd_cluster.attention.torch_backend import TorchAttentionBackend
+from pd_cluster import distributed as dist
 from pd_cluster.config import EngineConfig, ModelConfig
 from pd_cluster.cuda_graphs import DecodeGraphs
 from pd_cluster.forward_context import ForwardContext
@@ -30,6 +36,23 @@ from pd_cluster.scheduler import SchedulerOutput
 from pd_cluster.upload import upload_many
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs on the host, as every tensor-parallel rank needs them."""
+
+    ids: np.ndarray            # [T] int64 input tokens (PENDING_TOKEN: filled on the device)
+    pos: np.ndarray            # [T] int64 positions
+    slots: np.ndarray          # [T] int64 KV slot of each token
+    sample_idx: np.ndarray     # [S] int64 rows of the hidden states that sample
+    fill_at: np.ndarray        # [F] int64 input rows whose token the last step sampled...
+    fill_from: np.ndarray      # [F] int64 ...from this row of its samples
+    q_start: list[int]         # [B + 1] query start of each sequence
+    seq_lens: list[int]        # [B] tokens in context after this step
+    tables: np.ndarray         # [B, max blocks] int32 block tables
+    num_decodes: int           # leading sequences with one query token
+    max_query_len: int
 
 
 @dataclass(slots=True)
@@ -81,9 +104,15 @@ NON_TORCH_BYTES = 1 << 30
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str | None, model_cfg: ModelConfig,
-                 max_model_len: int, model_name: str):
-        self.config, self.model_cfg = config, model_cfg
-        self.device = config.torch_device()
+                 max_model_len: int, model_name: str, rank: int = 0):
+        self.config, self.model_cfg, self.rank = config, model_cfg, rank
+        self.tp_size = config.tensor_parallel_size
+        self.workers: Any = None
+        if self.tp_size > 1 and rank == 0:
+            self._start_ranks((config, model_dir, model_cfg, max_model_len, model_name))
+        self.device = config.torch_device(rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype(model_cfg)
         self.block_size = config.block_size
         self.backend = select_backend(config, self.device)
@@ -97,24 +126,64 @@ class ModelRunner:
             if self.device.type == "cuda" else 0
         self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
                                 config.load_format, config.seed)
+        self.num_kv_heads = dist.kv_head_shard(model_cfg.num_kv_heads, self.tp_size, rank)[0]
         self.kv_layout = KVLayout(model=model_name, dtype=str(self.dtype).removeprefix("torch."),
                                   num_layers=model_cfg.num_layers,
-                                  num_blocks=self._num_blocks(max_model_len),
-                                  block_size=self.block_size, num_kv_heads=model_cfg.num_kv_heads,
+                                  num_blocks=self._agreed(self._num_blocks(max_model_len)),
+                                  block_size=self.block_size, num_kv_heads=self.num_kv_heads,
                                   head_dim=model_cfg.head_dim)
         self.kv_cache = self.kv_layout.allocate(self.device)
         self.sampler = Sampler(self.device)
+        self._last_tokens: torch.Tensor | None = None    # a follower's copy of the samples
         self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
+        # Not yet with tensor parallelism: a graph would have to capture the collectives.
+        if (config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
+                and self.tp_size == 1):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend,
                                        min(config.max_num_seqs, 512), max_model_len,
                                        self.block_size, model_cfg.hidden_size)
+
+    def _start_ranks(self, runner_args: tuple) -> None:
+        """Rank 0: start ranks 1..N-1 and join their group (pd_cluster/tp_workers.py)."""
+        from pd_cluster.tp_workers import RankWorkers, backend_for
+
+        dist.check_tp(self.model_cfg, self.tp_size)
+        self.workers = RankWorkers(self.tp_size, runner_args)
+        self.workers.start()
+        try:
+            dist.init_tp(0, self.tp_size, self.workers.init_method,
+                         backend_for(self.config.torch_device(0).type), self.workers.timeout_s)
+        except BaseException:
+            self.workers.close()
+            raise
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel engine: stop the other ranks, leave the group."""
+        if self.workers is None:
+            return
+        workers, self.workers = self.workers, None
+        try:
+            if not workers.dead():
+                dist.broadcast_object(None)
+        except Exception:  # noqa: BLE001 - a rank is gone: reap what is left
+            pass
+        workers.close()
+        dist.destroy_tp()
+
+    def _agreed(self, num_blocks: int) -> int:
+        """The KV blocks every rank can hold (they size theirs apart): the least of them."""
+        if self.tp_size == 1:
+            return num_blocks
+        import torch.distributed as tdist
+        least = torch.tensor([num_blocks], dtype=torch.int64)
+        tdist.all_reduce(least, op=tdist.ReduceOp.MIN, group=dist.get_tp().cpu_group)
+        return int(least.item())
 
     def _num_blocks(self, max_model_len: int) -> int:
         c, m = self.config, self.model_cfg
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        bytes_per_block = (2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim
+        bytes_per_block = (2 * m.num_layers * self.block_size * self.num_kv_heads * m.head_dim
                            * self.dtype.itemsize)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -139,19 +208,19 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, listener: StepListener | None = None,
                 prev: LaunchedStep | None = None) -> LaunchedStep:
         """Launch `plan`; `prev` is the step still in flight, whose tokens feed this one."""
-        input_ids, positions, meta, sample_idx = self._prepare(plan, prev)
+        inputs = self._host_inputs(plan, prev)
+        if self.tp_size > 1:
+            dist.broadcast_object(inputs)
         if listener is not None:
             listener.before_forward(plan)
-        if self._graph_ok(meta, listener):
-            hidden = self.graphs.run(input_ids, positions, meta)
-        else:
-            ctx = ForwardContext(meta, self.kv_cache, self.backend,
-                                 listener.after_layer if listener else None)
-            hidden = self.model(input_ids, positions, ctx)
+        logits = self._forward(inputs, prev.samples.tokens if inputs.fill_at.size else None,
+                               listener)
         sampling = [s.request for s in plan.scheduled if s.samples]
         if not sampling:
             return LaunchedStep(plan, [], {}, None, None, None)
-        samples = self.sampler(self.model.compute_logits(hidden[sample_idx]), sampling)
+        samples = self.sampler(logits, sampling)
+        if self.tp_size > 1:
+            dist.broadcast_tensor(samples.tokens)    # the followers' next input tokens
         host = samples.to_host()
         done = None
         if self.device.type == "cuda":
@@ -160,12 +229,37 @@ class ModelRunner:
         rows = {r.request_id: i for i, r in enumerate(sampling)}
         return LaunchedStep(plan, sampling, rows, samples, host, done)
 
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks 1..N-1: run every step rank 0 broadcasts, until it broadcasts None."""
+        while (inputs := dist.broadcast_object(None)) is not None:
+            self._forward(inputs, self._last_tokens if inputs.fill_at.size else None, None)
+            if inputs.sample_idx.size:
+                tokens = torch.empty(inputs.sample_idx.size, dtype=torch.int64,
+                                     device=self.device)
+                self._last_tokens = dist.broadcast_tensor(tokens)
+
+    def _forward(self, inputs: StepInputs, last_tokens: torch.Tensor | None,
+                 listener: StepListener | None) -> torch.Tensor | None:
+        """The forward pass of one step: the logits of its sampling rows (None: no row
+        samples). `last_tokens`: the samples of the step before, for PENDING_TOKEN inputs."""
+        input_ids, positions, meta, sample_idx = self._upload(inputs, last_tokens)
+        if self._graph_ok(meta, listener):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            ctx = ForwardContext(meta, self.kv_cache, self.backend,
+                                 listener.after_layer if listener else None)
+            hidden = self.model(input_ids, positions, ctx)
+        if not inputs.sample_idx.size:
+            return None
+        return self.model.compute_logits(hidden[sample_idx])
+
     def _graph_ok(self, meta: AttentionMetadata, listener: StepListener | None) -> bool:
         # Graphs replay whole forwards: no per-layer hooks, decode-only batches that fit.
         return (self.graphs is not None and listener is None
                 and meta.num_decodes == meta.num_seqs and self.graphs.can_run(meta.num_seqs))
 
-    def _prepare(self, plan: SchedulerOutput, prev: LaunchedStep | None):
+    def _host_inputs(self, plan: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -193,15 +287,22 @@ class ModelRunner:
             num_decodes += 1
         i64 = [np.asarray(v, dtype=np.int64) for v in (ids, pos, slots, sample_idx, fill_at,
                                                         fill_from)]
-        i32 = [np.asarray(v, dtype=np.int32) for v in (q_start, seq_lens)]
+        return StepInputs(*i64, q_start, seq_lens, tables, num_decodes,
+                          max(s.num_tokens for s in plan.scheduled))
+
+    def _upload(self, inputs: StepInputs, last_tokens: torch.Tensor | None):
+        x = inputs
+        i32 = [np.asarray(v, dtype=np.int32) for v in (x.q_start, x.seq_lens)]
         (input_ids, positions, slot_mapping, sample_rows, fill_at_d, fill_from_d,
-         query_start_loc, seq_lens_d, block_tables) = upload_many(i64 + i32 + [tables],
-                                                                  self.device)
+         query_start_loc, seq_lens_d, block_tables) = upload_many(
+            [x.ids, x.pos, x.slots, x.sample_idx, x.fill_at, x.fill_from] + i32 + [x.tables],
+            self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens_d,
-            block_tables=block_tables, num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            max_query_len=max(s.num_tokens for s in plan.scheduled), max_seq_len=max(seq_lens),
-            query_start_loc_cpu=q_start, seq_lens_cpu=seq_lens)
-        if fill_at:
-            input_ids[fill_at_d] = prev.samples.tokens[fill_from_d]
+            block_tables=block_tables, num_decodes=x.num_decodes,
+            num_decode_tokens=x.num_decodes, max_query_len=x.max_query_len,
+            max_seq_len=max(x.seq_lens), query_start_loc_cpu=x.q_start,
+            seq_lens_cpu=x.seq_lens)
+        if x.fill_at.size:
+            input_ids[fill_at_d] = last_tokens[fill_from_d]
         return input_ids, positions, meta, sample_rows

@@ -200,6 +200,16 @@ class AppConfig(BaseModel):
         if self.mode != "colocated" and self.num_prefill < 1:
             raise ValueError(f"num_prefill: {self.mode} mode needs at least 1 prefill replica "
                              "(0 only with mode: colocated)")
+        tp = self.engine.tensor_parallel_size
+        if tp > 1 and self.mode != "colocated":
+            raise ValueError(
+                f"engine.tensor_parallel_size: {tp} in {self.mode} mode; KV transfer between "
+                "tensor-parallel engines is not built yet: use mode colocated, or 1")
+        for name in ("prefill_resources", "decode_resources"):
+            spec = getattr(self, name)
+            if tp > 1 and isinstance(spec, ReplicaResources) and 0 < spec.num_gpus < tp:
+                raise ValueError(f"{name}.num_gpus: {spec.num_gpus:g} for "
+                                 f"engine.tensor_parallel_size {tp}: each rank needs a GPU")
         if self.router_autoscaling is not None and self.router_replicas != 1:
             raise ValueError(
                 f"router_replicas: {self.router_replicas} with router_autoscaling set; leave "
@@ -230,8 +240,8 @@ def replica_actor_options(config: AppConfig, role: str,
                           cluster_resources: Mapping[str, float]) -> dict[str, Any]:
     """Ray actor options of one `role` ("prefill" or "decode") replica.
 
-    Explicit resources are returned as written. "auto" asks for one GPU when the cluster has
-    GPUs, else a share of the CPUs that leaves one for each router replica (see _cpu_share);
+    Explicit resources are returned as written. "auto" asks for one GPU per tensor-parallel
+    rank (engine.tensor_parallel_size) when the cluster has GPUs, else a share of the CPUs that leaves one for each router replica (see _cpu_share);
     and, when the cluster offers the custom resource named after the role (a node group of
     `configs/cluster.yaml` or the Helm chart), ROLE_RESOURCE_SHARE of it, which pins the
     replica to its group. In colocated mode the engines are "decode" replicas.
@@ -243,7 +253,9 @@ def replica_actor_options(config: AppConfig, role: str,
     if isinstance(spec, ReplicaResources):
         return spec.actor_options()
     if cluster_resources.get("GPU", 0) >= 1:
-        options: dict[str, Any] = {"num_cpus": 1.0, "num_gpus": 1.0}
+        # One GPU per tensor-parallel rank, all on one node: Ray places an actor on one node.
+        options: dict[str, Any] = {"num_cpus": 1.0,
+                                   "num_gpus": float(config.engine.tensor_parallel_size)}
     else:
         options = {"num_cpus": _cpu_share(config, cluster_resources.get("CPU", 1.0)),
                    "num_gpus": 0.0}

@@ -383,3 +383,18 @@ def test_notes_name_the_model_and_size_the_head_for_the_router_replicas(helm, tm
     scaled = notes("router.autoscaling.enabled=true", "router.autoscaling.maxReplicas=6")
     assert "between 1 and 6 replicas" in scaled
     assert "head has cpu 4 (head.resources): give it one per router replica (6)" in scaled
+
+
+def test_tensor_parallel_size_reaches_the_engine_and_needs_a_gpu_per_rank(helm):
+    args = rendered_app_args(helm, "mode=colocated", "engine.tensorParallelSize=2",
+                             "decode.gpusPerReplica=2")
+    assert args["engine"]["tensor_parallel_size"] == 2
+    assert args["decode_resources"]["num_gpus"] == 2
+    done = run_helm(helm, "template", "pd", str(CHART), "--set", "mode=colocated",
+                    "--set", "engine.tensorParallelSize=2")
+    message = "decode.gpusPerReplica (1) is below engine.tensorParallelSize (2)"
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    with pytest.raises(ValueError, match="^decode_resources.num_gpus: 1 for "
+                                         "engine.tensor_parallel_size 2"):
+        AppConfig.from_args({"mode": "colocated", "engine": {"tensor_parallel_size": 2},
+                             "decode_resources": {"num_gpus": 1}})

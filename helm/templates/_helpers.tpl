@@ -74,6 +74,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $args "num_prefill" (int $v.prefill.replicas) -}}
 {{- $_ := set $args "prefill_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "prefill") | fromYaml) -}}
 {{- end -}}
+{{- $tp := int ($v.engine.tensorParallelSize | default 1) -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $gpus := int (index $v $role).gpusPerReplica -}}
+{{- if and (gt $tp 1) (gt $gpus 0) (lt $gpus $tp) (or (eq $role "decode") (ne $v.mode "colocated")) -}}
+{{- fail (printf "%s.gpusPerReplica (%d) is below engine.tensorParallelSize (%d): each rank needs a GPU" $role $gpus $tp) -}}
+{{- end -}}
+{{- end -}}
 {{- if $v.engine.maxModelLen -}}
 {{- range $key := list "maxTokens" "maxPromptTokens" -}}
 {{- $limit := index $v.limits $key -}}

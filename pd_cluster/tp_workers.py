@@ -1,0 +1,105 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: child processes that mirror rank 0's steps.
+
+Rank 0 is the engine's own process: it schedules, prepares each step's inputs on the host and
+samples. Every rank holds its share of the weights and of the KV heads (pd_cluster/distributed.py,
+pd_cluster/models/). Per step (ModelRunner.execute on rank 0, ModelRunner.follow on the others):
+
+    rank 0                                        rank r
+    broadcast_object(StepInputs)         ───────► receives them
+    forward: an all_reduce per row-parallel layer ◄──► the same
+    logits of the sampling rows: an all_gather    ◄──► the same
+    sample; broadcast_tensor(tokens)     ───────► keeps them (a later step's input tokens)
+    ...
+    broadcast_object(None)               ───────► leaves the loop, exits (shutdown)
+
+Lifecycle: `RankWorkers.start` spawns the N-1 processes ('spawn': no forked CUDA context or
+threads); each joins the group and builds its ModelRunner while rank 0 joins and builds its own
+(the rendezvous and the KV cache sizing are collectives, so all ranks must get there, within
+`timeout_s`). `close` tells the workers to exit and reaps them. A rank that dies breaks the next
+collective on the others (the transport reports the closed peer, at the latest the group's
+timeout): rank 0's step raises and the engine fails its requests, never hangs; a worker whose
+parent died exits (it checks every second).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+# Rendezvous and every collective of the group give up after this (a dead rank, at worst).
+GROUP_TIMEOUT_S = 120.0
+JOIN_TIMEOUT_S = 30.0
+PARENT_CHECK_S = 1.0
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+class RankWorkers:
+    """The child processes of ranks 1..size-1; rank 0 (the caller) joins with `init_method`."""
+
+    def __init__(self, size: int, runner_args: tuple, timeout_s: float = GROUP_TIMEOUT_S):
+        self.size, self.runner_args, self.timeout_s = size, runner_args, timeout_s
+        self.init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.procs: list[Any] = []
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.size):
+            proc = ctx.Process(target=_worker_main, name=f"pd-tp-rank-{rank}", daemon=True,
+                               args=(rank, self.size, self.init_method, self.timeout_s,
+                                     os.getpid(), self.runner_args))
+            proc.start()
+            self.procs.append(proc)
+
+    def dead(self) -> list[int]:
+        """Ranks whose process has exited."""
+        return [rank for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+
+    def close(self) -> None:
+        """Reap the workers (after rank 0 told them to stop, or gave up on them)."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        self.procs = []
+
+
+def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, parent: int,
+                 runner_args: tuple) -> None:
+    """A rank's process: join the group, build the model runner, mirror rank 0's steps."""
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    from pd_cluster.distributed import destroy_tp, init_tp
+    from pd_cluster.model_runner import ModelRunner
+
+    config = runner_args[0]
+    init_tp(rank, size, init_method, backend_for(config.torch_device(rank).type), timeout_s)
+    try:
+        ModelRunner(*runner_args, rank=rank).follow()
+    except Exception:  # noqa: BLE001 - rank 0 sees the broken collective; say why here
+        logger.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)
+    destroy_tp()
+
+
+def _exit_with_parent(parent: int) -> None:
+    # A worker blocked in a collective would notice a dead rank 0 only at the group's timeout.
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
