@@ -1,6 +1,9 @@
 """Single-GPU engine speed: decode step vs roofline, prefill tok/s, offline throughput.
 
     python bench/engine_bench.py [--only decode,prefill,offline] [--hf-offline] [--sync]
+        [--batches 64,128,256] [--contexts 1024,2048]
+
+(On an 80 GB GPU batch 256 at context 2048 does not fit the KV cache: --batches 64,128.)
 
 Prints one JSON object. Roofline of a decode step = (weight bytes + KV bytes read) / this
 machine's measured device copy bandwidth (bytes read + written per second).
@@ -141,6 +144,8 @@ def main() -> None:
     ap.add_argument("--only", default="decode,prefill,offline")
     ap.add_argument("--hf-offline", action="store_true")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batches", default="64,128,256", help="decode batch sizes")
+    ap.add_argument("--contexts", default="1024,2048", help="decode context lengths")
     ap.add_argument("--sync", action="store_true", help="async scheduling off (for comparison)")
     args = ap.parse_args()
     parts = args.only.split(",")
@@ -153,8 +158,8 @@ def main() -> None:
     res["async_scheduling"] = not args.sync
     res["engine_start_s"] = time.perf_counter() - t
     if "decode" in parts:
-        res["decode"] = [decode_steps(llm, b, c, args.steps, bw)
-                         for b in (64, 128, 256) for c in (1024, 2048)]
+        res["decode"] = [decode_steps(llm, int(b), int(c), args.steps, bw)
+                         for b in args.batches.split(",") for c in args.contexts.split(",")]
     if "prefill" in parts:
         res["prefill"] = prefill(llm)
     if "offline" in parts:

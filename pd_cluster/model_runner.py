@@ -111,7 +111,7 @@ class ModelRunner:
         if self.tp_size > 1 and rank == 0:
             self._start_ranks((config, model_dir, model_cfg, max_model_len, model_name))
         self.device = config.torch_device(rank)
-        if self.device.type == "cuda":
+        if self.device.index is not None:     # a rank's own GPU: its kernels' default
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype(model_cfg)
         self.block_size = config.block_size
