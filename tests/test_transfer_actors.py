@@ -137,7 +137,9 @@ def test_layer_by_layer_push_and_a_pull_are_byte_exact(engines, kv) -> None:
 def test_incompatible_layout_is_refused_across_processes(engines) -> None:
     _, p, d, _ = engines
     theirs = KVDescriptor.decode(ray.get(d.descriptor.remote()))
-    other = replace(theirs, agent="other", layout=replace(theirs.layout, head_dim=32))
+    shard = theirs.shards[0]
+    other = replace(theirs, agent="other",
+                    shards=(replace(shard, layout=replace(shard.layout, head_dim=32)),))
     with pytest.raises(LayoutMismatchError, match="head_dim: 16 != 32"):
         ray.get(p.connect.remote(other.encode()))
 

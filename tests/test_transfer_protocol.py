@@ -10,7 +10,7 @@ from kv_support import blocks, model_kv, paged_kv, tiny_layout
 from transfer import registry
 from transfer.base import LayoutMismatchError, TransferError, TransferState
 from transfer.drain import in_group, member_id
-from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
+from transfer.messages import KVDescriptor, KVShard, Message, MessageError, MsgKind
 from transfer.registry import make_transport
 from transfer.runs import block_indices, byte_runs
 from waiting import wait_until
@@ -55,7 +55,7 @@ def test_an_empty_write_completes_and_tells_the_target(pair) -> None:
 def test_messages_round_trip_and_reject_junk() -> None:
     msg = Message(MsgKind.DATA, "t1", "a", runs=((0, 64), (128, 64)), tag=7)
     assert Message.decode(msg.encode()) == msg
-    desc = KVDescriptor("nixl", "a", tiny_layout(), 4096, 0, False, b"\x00md")
+    desc = KVDescriptor("nixl", "a", (KVShard(tiny_layout(), 4096, 0),), False, b"\x00md")
     assert KVDescriptor.decode(desc.encode()) == desc
     for junk in (b"\x93\x01\x02\x03", b"not msgpack \xc1", Message(MsgKind.DONE, "t", "a")
                  .encode().replace(b"done", b"boom")):

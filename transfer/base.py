@@ -1,7 +1,8 @@
 """The KV transport interface: one engine's paged KV cache ↔ a peer's, block by block.
 
 Lifecycle of a transport:
-    register(kv, layout) → descriptor() → connect(peer descriptor)          (once per peer)
+    register(kv, layout) | register_shards([(kv, layout), ...])
+        → descriptor() → connect(peer descriptor)                           (once per peer)
     initiator: write()/read() → poll()/wait() → release()
     target:    expect(transfer id) → poll() → release()   (its blocks are touched by the peer)
 
@@ -20,9 +21,15 @@ An ended transfer's bytes may still be moving (an aborted write the backend had 
 an initiator done with a group of writes (all landed, or abandoned) `drain`s them, and the
 target's owner learns through `on_drained` when none of them can land any more
 (transfer/drain.py).
+
+A KV cache may be several head-window shards (a tensor-parallel engine: one tensor per rank,
+transfer/shards.py): a transfer moves, into every destination shard, the heads of its window
+from the first source shard holding them, whatever the two sides' shardings. Byte offsets
+(runs.Copy) count over the virtual concatenation of a side's shards.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import uuid
@@ -30,12 +37,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Callable, ClassVar
 
+import numpy as np
 import torch
 
 from pd_cluster.kv_layout import KVLayout
 from transfer.drain import Drain, DrainedNotice, DrainState
-from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
-from transfer.runs import Copy, byte_runs
+from transfer.messages import KVDescriptor, KVShard, Message, MessageError, MsgKind
+from transfer.runs import Copy, shard_copies
+from transfer.shards import Segment, check_shards, head_sources, outside, starts
 from transfer.state import LayoutMismatchError, Role, Transfer, TransferError, TransferState
 
 __all__ = ["KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferError",
@@ -52,8 +61,16 @@ class KVTransport(ABC):
     def __init__(self, name: str | None = None, *, timeout_s: float = 30.0, lease_s: float = 10.0):
         self.name = name or f"{self.backend}-{uuid.uuid4().hex[:12]}"
         self.timeout_s, self.lease_s = timeout_s, lease_s
+        # After register: the shards (tensors, their layouts, each one's first virtual byte and
+        # the total), the first shard as `kv`, and `layout`: the whole KV cache, all heads.
+        self.shards: tuple[torch.Tensor, ...] = ()
+        self.shard_layouts: tuple[KVLayout, ...] = ()
+        self._starts: list[int] = []
+        self._flat: list[torch.Tensor] = []
         self.kv: torch.Tensor | None = None
         self.layout: KVLayout | None = None
+        # peer → head segments (transfer/shards.py) of our writes to it, of our reads from it
+        self._routes: dict[str, tuple[list[Segment], list[Segment]]] = {}
         self.peers: dict[str, KVDescriptor] = {}
         self._outgoing: dict[str, Transfer] = {}
         self._targets: dict[str, Transfer] = {}
@@ -73,17 +90,37 @@ class KVTransport(ABC):
 
     # -- setup ---------------------------------------------------------------------------
     def register(self, kv: torch.Tensor, layout: KVLayout) -> None:
-        if tuple(kv.shape) != layout.shape or kv.dtype != layout.torch_dtype:
-            raise ValueError(f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match {layout}")
-        if not kv.is_contiguous():
-            raise ValueError("the KV cache must be one contiguous tensor")
-        self.kv, self.layout = kv, layout
-        self._register(kv)
+        """Register an unsharded KV cache: `register_shards([(kv, layout)])`."""
+        self.register_shards([(kv, layout)])
+
+    def register_shards(self, shards: Sequence[tuple[torch.Tensor, KVLayout]]) -> None:
+        """Register a KV cache made of shards, [num_layers, 2, num_blocks, block_size,
+        num_kv_heads, head_dim] each (a TP engine's ranks, in rank order): the same blocks,
+        a window of the model's KV heads each, every head in at least one, all in host
+        memory or all on GPUs (one per shard, possibly different)."""
+        why = check_shards([layout for _, layout in shards])
+        if why:
+            raise ValueError(f"not one KV cache: {why}")
+        for kv, layout in shards:
+            if tuple(kv.shape) != layout.shape or kv.dtype != layout.torch_dtype:
+                raise ValueError(f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match {layout}")
+            if not kv.is_contiguous():
+                raise ValueError("every KV cache shard must be one contiguous tensor")
+        if len({kv.is_cuda for kv, _ in shards}) > 1:
+            raise ValueError("KV cache shards must be all in host memory or all on GPUs")
+        self.shards = tuple(kv for kv, _ in shards)
+        self.shard_layouts = tuple(layout for _, layout in shards)
+        self._starts = starts(self.shard_layouts).tolist()
+        self._flat = [kv.view(-1).view(torch.uint8) for kv in self.shards]
+        self.kv, self.layout = self.shards[0], self.shard_layouts[0].whole()
+        self._register()
 
     def descriptor(self) -> KVDescriptor:
-        kv = self._registered()
-        return KVDescriptor(self.backend, self.name, self.layout, kv.data_ptr(),
-                              kv.device.index or 0, kv.is_cuda, self._address())
+        self._registered()
+        return KVDescriptor(self.backend, self.name,
+                            tuple(KVShard(lay, kv.data_ptr(), kv.device.index or 0)
+                                  for kv, lay in zip(self.shards, self.shard_layouts)),
+                            self.kv.is_cuda, self._address())
 
     def connect(self, peer: KVDescriptor | bytes) -> str:
         """Check the peer's KV cache is compatible, open a channel to it; returns its name."""
@@ -92,12 +129,15 @@ class KVTransport(ABC):
         if desc.backend != self.backend:
             raise LayoutMismatchError(
                 f"peer {desc.agent} uses transport {desc.backend!r}, this one {self.backend!r}")
-        why = self.layout.mismatch(desc.layout)
+        why = self.layout.mismatch(desc.layout) or check_shards(desc.layouts)
         if why:
             raise LayoutMismatchError(f"cannot exchange KV blocks with {desc.agent}: {why}")
         if desc.agent not in self.peers:
+            mine, theirs = self.shard_layouts, desc.layouts
+            routes = (head_sources(mine, theirs), head_sources(theirs, mine))
             self._connect(desc)
             self.peers[desc.agent] = desc
+            self._routes[desc.agent] = routes
         return desc.agent
 
     # -- transfers -----------------------------------------------------------------------
@@ -309,7 +349,7 @@ class KVTransport(ABC):
         if desc is None:
             raise TransferError(f"{self.name} is not connected to {peer!r}; call connect() first")
         layers = layers if layers is not None else range(self.layout.num_layers)
-        plan = self._plan(desc.layout, layers, local_blocks, remote_blocks)
+        plan = self._plan(role, desc, layers, local_blocks, remote_blocks)
         now = time.monotonic()
         # First RENEW 50 ms in, not at the first poll: a layer's write is done well before,
         # and a notification per write (32 per prompt) only loaded the path it renews.
@@ -343,13 +383,23 @@ class KVTransport(ABC):
             raise TransferError(f"{self.name}: register() the KV cache first")
         return self.kv
 
-    def _bytes(self) -> torch.Tensor:
-        """The KV cache as a flat uint8 tensor, the unit every run offset counts in."""
-        return self._registered().view(-1).view(torch.uint8)
+    def _slice(self, offset: int, length: int) -> torch.Tensor:
+        """Bytes [offset, offset + length) of the virtual concatenation of our shards, as a
+        flat uint8 view of the one shard holding them (runs never span two)."""
+        i = 0 if len(self._flat) == 1 else bisect.bisect_right(self._starts, offset) - 1
+        rel = offset - self._starts[i]
+        return self._flat[i][rel:rel + length]
+
+    def _check_runs(self, runs) -> None:
+        """Runs (offset, length) from a peer: each must lie within one of our shards."""
+        if len(runs) and outside(np.asarray(self._starts, dtype=np.int64),
+                                 np.asarray(runs, dtype=np.int64).reshape(-1, 2)):
+            raise MessageError(f"runs outside the {self._starts[-1]}-byte KV cache's shards")
 
     # -- backend hooks -------------------------------------------------------------------
     @abstractmethod
-    def _register(self, kv: torch.Tensor) -> None: ...
+    def _register(self) -> None:
+        """Set up the backend for `self.shards` (registered memory, mailboxes, ...)."""
 
     @abstractmethod
     def _address(self) -> bytes:
@@ -358,10 +408,23 @@ class KVTransport(ABC):
     @abstractmethod
     def _connect(self, peer: KVDescriptor) -> None: ...
 
-    def _plan(self, peer_layout: KVLayout, layers: range, local_blocks: Sequence[int],
+    def _plan(self, role: Role, peer: KVDescriptor, layers: range, local_blocks: Sequence[int],
               remote_blocks: Sequence[int]) -> Any:
-        """What `_post` gets (and where bad block ids raise): merged byte runs by default."""
-        return byte_runs(self.layout, peer_layout, layers, local_blocks, remote_blocks)
+        """What `_post` gets (and where bad block ids raise): by default `_copies` as a list
+        of (our offset, the peer's offset, length) tuples."""
+        out = self._copies(role, peer, layers, local_blocks, remote_blocks)
+        return list(zip(*(out[:, i].tolist() for i in range(3)))) if len(out) else []
+
+    def _copies(self, role: Role, peer: KVDescriptor, layers: range,
+                local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> np.ndarray:
+        """[n, 3] int64 (our offset, the peer's offset, length): whole-block runs merged
+        across blocks where the two sides' head windows match, else per-token head runs."""
+        mine, theirs = self.shard_layouts, peer.layouts
+        to_peer, from_peer = self._routes[peer.agent]
+        if role is Role.WRITE:
+            return shard_copies(mine, theirs, to_peer, layers, local_blocks, remote_blocks)
+        out = shard_copies(theirs, mine, from_peer, layers, remote_blocks, local_blocks)
+        return out[:, [1, 0, 2]]
 
     @abstractmethod
     def _post(self, t: Transfer, copies: list[Copy]) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import weakref
 from collections import deque
 
-import torch
-
 from transfer.base import KVTransport, Role, Transfer
 from transfer.messages import Message, MsgKind, KVDescriptor
 from transfer.runs import Copy
@@ -21,7 +19,7 @@ _AGENTS: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueD
 class LocalTransport(KVTransport):
     backend = "local"
 
-    def _register(self, kv: torch.Tensor) -> None:
+    def _register(self) -> None:
         self._inbox: deque[bytes] = deque()
         _AGENTS[self.name] = self
 
@@ -39,12 +37,12 @@ class LocalTransport(KVTransport):
 
     def _post(self, t: Transfer, copies: list[Copy]) -> None:
         peer = self._peer(t.peer)
-        mine, theirs = self._bytes(), peer._bytes()
         for local, remote, n in copies:
+            mine, theirs = self._slice(local, n), peer._slice(remote, n)
             if t.role is Role.WRITE:
-                theirs[remote:remote + n].copy_(mine[local:local + n])
+                theirs.copy_(mine)
             else:
-                mine[local:local + n].copy_(theirs[remote:remote + n])
+                mine.copy_(theirs)
         t.handle = "done"
         self._send(t.peer, Message(MsgKind.DONE, t.id, self.name))
 

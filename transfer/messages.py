@@ -1,8 +1,8 @@
 """Typed wire messages of the KV transport, encoded with msgpack (never pickle).
 
 Everything that crosses between engines is one of two types:
-- `KVDescriptor`: what a peer needs to reach a registered KV cache (exported once, sent out
-  of band, e.g. as the return value of an actor method);
+- `KVDescriptor`: what a peer needs to reach a registered KV cache, every shard of it
+  (exported once, sent out of band, e.g. as the return value of an actor method);
 - `Message`: a small control message (completion notice, lease renewal, abort, ...).
 Decoding validates field types, so bytes from a peer can at worst raise `MessageError`.
 """
@@ -63,30 +63,53 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
-class KVDescriptor:
-    """How to reach a registered KV cache: backend, unique agent name, layout, base address."""
+class KVShard:
+    """One registered tensor of a KV cache: its layout (head window) and where it lives."""
 
-    backend: str
-    agent: str
     layout: KVLayout
     base_addr: int
     device_id: int              # CUDA device ordinal; 0 for host memory
+
+
+@dataclass(frozen=True, slots=True)
+class KVDescriptor:
+    """How to reach a registered KV cache: backend, unique agent name, and its shards (one per
+    tensor-parallel rank, in rank order; one for an unsharded cache)."""
+
+    backend: str
+    agent: str
+    shards: tuple[KVShard, ...]
     on_gpu: bool
     address: bytes = field(default=b"", repr=False)  # backend connection info
 
+    @property
+    def layout(self) -> KVLayout:
+        """The whole KV cache's layout: every KV head, as one unsharded tensor would hold."""
+        return self.shards[0].layout.whole()
+
+    @property
+    def layouts(self) -> tuple[KVLayout, ...]:
+        return tuple(s.layout for s in self.shards)
+
     def encode(self) -> bytes:
-        d = asdict(self)
-        return msgpack.packb(d)
+        return msgpack.packb(asdict(self))
 
     @classmethod
     def decode(cls, data: bytes) -> "KVDescriptor":
         try:
             d = msgpack.unpackb(data)
-            desc = cls(**{**d, "layout": KVLayout(**d["layout"])})
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
+            if "shards" not in d:   # from before sharding: one tensor, its fields inline
+                d["shards"] = [{k: d.pop(k) for k in ("layout", "base_addr", "device_id")}]
+            shards = tuple(KVShard(**{**s, "layout": KVLayout(**s["layout"])})
+                           for s in d.pop("shards"))
+            desc = cls(**d, shards=shards)
+        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as e:
             raise MessageError(f"malformed KV descriptor: {e}") from e
-        _check_types(desc, backend=str, agent=str, base_addr=int, device_id=int, on_gpu=bool,
-                     address=bytes)
+        _check_types(desc, backend=str, agent=str, on_gpu=bool, address=bytes)
+        for s in shards:
+            _check_types(s, base_addr=int, device_id=int)
+        if not shards:
+            raise MessageError("malformed KV descriptor: no shards")
         return desc
 
 

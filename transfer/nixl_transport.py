@@ -1,9 +1,15 @@
 """NIXL transport: one-sided UCX WRITE/READ between registered KV caches (GPU or host memory).
 
-The whole KV tensor is registered once, and its block descriptors (ours, and each peer's)
-are prepared once; a transfer is one NIXL request naming block indices (merged into runs by NIXL),
-carrying the DONE notice that NIXL delivers to the peer after the data. Control messages
-(RENEW, ABORT) are NIXL notifications too, so both sides must connect() to each other.
+Every KV tensor (shard) is registered once, and the block descriptors of all of them (ours,
+and each peer's) are prepared once; a transfer is one NIXL request naming block indices
+(merged into runs by NIXL), carrying the DONE notice that NIXL delivers to the peer after the
+data. Control messages (RENEW, ABORT) are NIXL notifications too, so both sides must
+connect() to each other.
+
+Between KV caches of different head windows (tensor-parallel shardings that differ), blocks
+do not move whole: such a transfer is one NIXL request built from explicit (address, length,
+device) descriptor lists of its head runs (transfer/runs.py), which costs NIXL a validation
+per request that the prepared lists spare the matching-window fast path.
 """
 from __future__ import annotations
 
@@ -11,13 +17,13 @@ import os
 import time
 
 import numpy as np
-import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
 from pd_cluster.kv_layout import KVLayout
 from transfer.base import KVTransport, Role, Transfer
-from transfer.messages import Message, MsgKind, KVDescriptor
-from transfer.runs import block_indices
+from transfer.messages import KVDescriptor, Message, MsgKind
+from transfer.runs import shard_block_indices
+from transfer.shards import starts
 
 _NOTHING = "nothing to move"  # handle of a transfer of zero blocks: done once posted
 # UCX backend parameters ("num_workers=2,num_threads=4"), for tuning without a code change.
@@ -54,11 +60,17 @@ class NixlTransport(KVTransport):
         # Requests posted and the descriptor runs in them (neighbouring blocks on both sides
         # merge into one): runs per request is what the posting costs grow with.
         self.posted = self.posted_runs = 0
-        self._reg = self._local = None
+        self._reg: list = []
+        self._local = None
+        # Each side's shards for explicit descriptors: (virtual starts, base addresses,
+        # device ids) as int64/uint64 arrays, ours under None; and each peer's memory type.
+        self._where: dict[str | None, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._peer_mem: dict[str, str] = {}
         self._remote: dict[str, object] = {}  # peer → its prepped descriptor list
         self._stuck: list = []
 
-    def _register(self, kv: torch.Tensor) -> None:
+    def _register(self) -> None:
+        kv = self.kv
         # GPU memory: NIXL's progress thread advances transfers while the owner computes (the
         # next layer's prefill). Host memory: that thread spins a core even when idle, which
         # starves the engines on a small CPU machine; the owner's pump progresses the agent
@@ -69,13 +81,17 @@ class NixlTransport(KVTransport):
         if self.ucx_params is None:
             self.ucx_params = ucx_params_from_env(kv.is_cuda)
         self.agent.create_backend("UCX", self.ucx_params)
-        self._reg = self.agent.register_memory(kv)
+        # One registration per shard: a TP engine's shards live on different GPUs.
+        self._reg = [self.agent.register_memory(t) for t in self.shards]
         self._mem = "VRAM" if kv.is_cuda else "DRAM"
-        self._local = self._prep("NIXL_INIT_AGENT", self.layout, kv.data_ptr(),
-                                 kv.device.index or 0, self._mem)
+        shards = [(lay, t.data_ptr(), t.device.index or 0)
+                  for t, lay in zip(self.shards, self.shard_layouts)]
+        self._local = self._prep("NIXL_INIT_AGENT", shards, self._mem)
+        self._where[None] = _where(shards)
 
-    def _prep(self, agent: str, layout: KVLayout, base: int, device: int, mem: str):
-        """One descriptor per (layer, K|V, block) of a KV cache, in address order, prepared once.
+    def _prep(self, agent: str, shards: list[tuple[KVLayout, int, int]], mem: str):
+        """One descriptor per (layer, K|V, block) of each shard of a KV cache (layout, base
+        address, device), in address order, shard after shard, prepared once.
 
         Each write then only names indices (make_prepped_xfer) instead of building and
         validating descriptor lists (get_xfer_descs + initialize_xfer), which cost more than
@@ -85,45 +101,72 @@ class NixlTransport(KVTransport):
         neighbours on both sides back into one run, so contiguous blocks still post as one
         descriptor per (layer, K|V).
         """
-        count = layout.num_layers * 2 * layout.num_blocks
-        if count >= 2**31:  # make_prepped_xfer takes int32 indices
-            raise ValueError(f"{count} KV block descriptors: too many for int32 indices")
-        bb = layout.block_bytes
+        count = shards[0][0].num_layers * 2 * shards[0][0].num_blocks
+        if count * len(shards) >= 2**31:  # make_prepped_xfer takes int32 indices
+            raise ValueError(f"{count * len(shards)} KV block descriptors: too many for int32 "
+                             f"indices")
         try:
-            row = np.array([[base, bb, device, bb, count]], dtype=np.uint64)
-            return self.agent.prep_xfer_dlist(agent, row, mem)
-        except Exception:  # noqa: BLE001 - a NIXL without strided lists: spell them out
-            if count > 1 << 22:
-                raise
-            rows = np.empty((count, 3), dtype=np.uint64)
-            rows[:, 0] = base + np.arange(count, dtype=np.uint64) * np.uint64(bb)
-            rows[:, 1], rows[:, 2] = bb, device
+            rows = np.array([[base, lay.block_bytes, device, lay.block_bytes, count]
+                             for lay, base, device in shards], dtype=np.uint64)
             return self.agent.prep_xfer_dlist(agent, rows, mem)
+        except Exception:  # noqa: BLE001 - a NIXL without strided lists: spell them out
+            if count * len(shards) > 1 << 22:
+                raise
+            rows = np.empty((len(shards), count, 3), dtype=np.uint64)
+            for i, (lay, base, device) in enumerate(shards):
+                bb = np.uint64(lay.block_bytes)
+                rows[i, :, 0] = base + np.arange(count, dtype=np.uint64) * bb
+                rows[i, :, 1], rows[i, :, 2] = bb, device
+            return self.agent.prep_xfer_dlist(agent, rows.reshape(-1, 3), mem)
 
     def _address(self) -> bytes:
         return self.agent.get_agent_metadata()
 
     def _connect(self, peer: KVDescriptor) -> None:
         self.agent.add_remote_agent(peer.address)
-        self._remote[peer.agent] = self._prep(peer.agent, peer.layout, peer.base_addr,
-                                              peer.device_id, "VRAM" if peer.on_gpu else "DRAM")
+        shards = [(s.layout, s.base_addr, s.device_id) for s in peer.shards]
+        self._peer_mem[peer.agent] = "VRAM" if peer.on_gpu else "DRAM"
+        self._remote[peer.agent] = self._prep(peer.agent, shards, self._peer_mem[peer.agent])
+        self._where[peer.agent] = _where(shards)
 
-    def _plan(self, peer_layout: KVLayout, layers: range, local_blocks, remote_blocks):
-        return block_indices(self.layout, peer_layout, layers, local_blocks, remote_blocks)
+    def _plan(self, role: Role, peer: KVDescriptor, layers: range, local_blocks,
+              remote_blocks):
+        """(local, remote) descriptor indices into the prepared lists when every head window
+        matches its source's (whole blocks); else explicit (address, length, device) rows."""
+        mine, theirs = self.shard_layouts, peer.layouts
+        to_peer, from_peer = self._routes[peer.agent]
+        segments = to_peer if role is Role.WRITE else from_peer
+        if all(g.whole(mine, theirs) if role is Role.WRITE else g.whole(theirs, mine)
+               for g in segments):
+            if role is Role.WRITE:
+                return shard_block_indices(mine, theirs, segments, layers, local_blocks,
+                                           remote_blocks)
+            remote, local = shard_block_indices(theirs, mine, segments, layers, remote_blocks,
+                                                local_blocks)
+            return local, remote
+        copies = self._copies(role, peer, layers, local_blocks, remote_blocks)
+        return (_rows(self._where[None], copies[:, 0], copies[:, 2]),
+                _rows(self._where[peer.agent], copies[:, 1], copies[:, 2]))
 
     def _post(self, t: Transfer, plan: tuple[np.ndarray, np.ndarray]) -> None:
         local, remote = plan
         notice = Message(MsgKind.DONE, t.id, self.name).encode()
-        if not local.size:  # NIXL refuses empty requests; nothing to move, only to tell
+        if not len(local):  # NIXL refuses empty requests; nothing to move, only to tell
             self.agent.send_notif(t.peer, notice)
             t.handle = _NOTHING
             return
         self.posted += 1
-        self.posted_runs += 1 + int(np.count_nonzero((np.diff(local) != 1)
-                                                     | (np.diff(remote) != 1)))
         op = "WRITE" if t.role is Role.WRITE else "READ"
-        t.handle = self.agent.make_prepped_xfer(op, self._local, local, self._remote[t.peer],
-                                                remote, notice)
+        if local.ndim == 2:   # explicit rows: head runs between different windows
+            self.posted_runs += len(local)
+            t.handle = self.agent.initialize_xfer(
+                op, self.agent.get_xfer_descs(local, self._mem),
+                self.agent.get_xfer_descs(remote, self._peer_mem[t.peer]), t.peer, notice)
+        else:
+            self.posted_runs += 1 + int(np.count_nonzero((np.diff(local) != 1)
+                                                         | (np.diff(remote) != 1)))
+            t.handle = self.agent.make_prepped_xfer(op, self._local, local,
+                                                    self._remote[t.peer], remote, notice)
         if self.agent.transfer(t.handle) == "ERR":
             raise ConnectionError("NIXL refused to post the transfer")
 
@@ -199,6 +242,24 @@ class NixlTransport(KVTransport):
         self._remote, self._local = {}, None
         for peer in self.peers:
             self.agent.remove_remote_agent(peer)
-        if self._reg is not None:
-            self.agent.deregister_memory(self._reg)
-            self._reg = None
+        for reg in self._reg:
+            self.agent.deregister_memory(reg)
+        self._reg = []
+
+
+def _where(shards: list[tuple[KVLayout, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(virtual starts, base addresses, device ids) of (layout, base, device) shards."""
+    return (starts([lay for lay, _, _ in shards]),
+            np.array([base for _, base, _ in shards], dtype=np.uint64),
+            np.array([dev for _, _, dev in shards], dtype=np.uint64))
+
+
+def _rows(where: tuple[np.ndarray, np.ndarray, np.ndarray], offsets: np.ndarray,
+          lengths: np.ndarray) -> np.ndarray:
+    """NIXL's Nx3 (address, length, device) rows of virtual-offset runs (transfer/shards.py)."""
+    bounds, bases, devices = where
+    shard = np.searchsorted(bounds, offsets, side="right") - 1
+    rows = np.empty((len(offsets), 3), dtype=np.uint64)
+    rows[:, 0] = bases[shard] + (offsets - bounds[shard]).astype(np.uint64)
+    rows[:, 1], rows[:, 2] = lengths, devices[shard]
+    return rows

@@ -13,6 +13,7 @@ fail, which is how the peer learns of the death.
 """
 from __future__ import annotations
 
+import bisect
 import warnings
 
 import numpy as np
@@ -53,11 +54,12 @@ class RayTransport(KVTransport):
         self._dead: dict[str, str] = {}                  # peer → why we think it died
         self._errors: dict[str, str] = {}                # our transfer id → why it failed
 
-    def _register(self, kv: torch.Tensor) -> None:
+    def _register(self) -> None:
         ns = ray.get_runtime_context().namespace
         self._mailbox_name = f"{ns}/pdkv-mailbox-{self.name}"
         self._mailbox = _Mailbox.options(name=f"pdkv-mailbox-{self.name}", namespace=ns).remote()
-        self._host = None if kv.is_cuda else self._bytes().numpy()
+        # Host shards as flat numpy arrays (zero-copy), where payloads come from and go.
+        self._host = None if self.kv.is_cuda else [f.numpy() for f in self._flat]
 
     def _address(self) -> bytes:
         return self._mailbox_name.encode()
@@ -149,9 +151,12 @@ class RayTransport(KVTransport):
         self._dispatch(Message(MsgKind.DONE, msg.transfer_id, msg.sender))
 
     def _view(self, off: int, n: int) -> np.ndarray:
-        if self._host is not None:
-            return self._host[off:off + n]
-        return self._bytes()[off:off + n].cpu().numpy()
+        """Bytes [off, off + n) of our shards (virtual offsets, transfer/shards.py)."""
+        if self._host is None:
+            return self._slice(off, n).cpu().numpy()
+        i = 0 if len(self._host) == 1 else bisect.bisect_right(self._starts, off) - 1
+        rel = off - self._starts[i]
+        return self._host[i][rel:rel + n]
 
     def _copy_in(self, runs, refs: list) -> None:
         arrays = ray.get(refs[0], timeout=self.timeout_s) if refs else []
@@ -160,17 +165,11 @@ class RayTransport(KVTransport):
             raise MessageError("payload does not match its runs")
         for (off, n), arr in zip(runs, arrays):
             if self._host is not None:
-                self._host[off:off + n] = arr
+                self._view(off, n)[:] = arr
             else:
                 with warnings.catch_warnings():  # read-only store views are only read here
                     warnings.simplefilter("ignore", UserWarning)
-                    self._bytes()[off:off + n].copy_(torch.from_numpy(arr), non_blocking=True)
-
-    def _check_runs(self, runs) -> None:
-        """Offsets come from a peer: never let them reach outside our KV cache."""
-        size = self._bytes().numel()
-        if any(off < 0 or n < 0 or off + n > size for off, n in runs):
-            raise MessageError(f"runs outside the {size}-byte KV cache")
+                    self._slice(off, n).copy_(torch.from_numpy(arr), non_blocking=True)
 
     def _close(self) -> None:
         if self._mailbox is not None:

@@ -9,6 +9,15 @@ Blocks that are consecutive on BOTH sides (src ids 4,5,6 → dst ids 10,11,12) m
 (src offset, dst offset, length) copy, which is what keeps descriptor counts (and per-descriptor
 overheads of NIXL/UCX) small: a 2048-token prompt in contiguous blocks is 2 runs per layer.
 
+A KV cache of several head-window shards (transfer/shards.py) moves per `Segment` (heads of
+one destination shard that one source shard holds): when both windows are exactly the
+segment's heads, whole blocks move as above; otherwise each (layer, K|V, block) is
+block_size runs, one per token position, of count × head_dim × itemsize bytes:
+
+    source [.., token, Hs heads, d]:  | h0 h1 | h0 h1 | ...      (token 0, token 1, ...)
+    dest   [.., token, Hd heads, d]:  | h0 h1 h2 h3 | h0 h1 h2 h3 | ...
+                                        ^^^^^ one run per token
+
 Everything here is numpy-vectorised: these functions run once per transfer, i.e. once per
 layer in a layer-wise push, and a Python loop over blocks cost more than the posting itself.
 """
@@ -19,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pd_cluster.kv_layout import KVLayout
+from transfer.shards import Segment, starts
 
 Copy = tuple[int, int, int]  # (src byte offset, dst byte offset, byte length)
 
@@ -58,16 +68,66 @@ def _regions(layers: range) -> np.ndarray:
     return np.arange(2 * layers.start, 2 * layers.stop, dtype=np.int64)[:, None]
 
 
+def _block_runs(src: KVLayout, dst: KVLayout, layers: range,
+                runs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """[n, 3] (src offset, dst offset, length) of whole-block runs (`_run_arrays`' result)."""
+    s, d, n = runs
+    reg, nb = _regions(layers), src.block_bytes
+    out = np.empty((len(reg), len(n), 3), dtype=np.int64)
+    out[..., 0] = (reg * src.num_blocks + s) * nb
+    out[..., 1] = (reg * dst.num_blocks + d) * nb
+    out[..., 2] = n * nb
+    return out.reshape(-1, 3)
+
+
+def _head_runs(src: KVLayout, dst: KVLayout, seg: Segment, layers: range, s: np.ndarray,
+               d: np.ndarray) -> np.ndarray:
+    """[n, 3] runs of heads [seg.head, + seg.count) of every token of blocks s → d, in
+    (layer, K|V, block, token) order: address order on both sides."""
+    reg = _regions(layers)[:, :, None]                          # [R, 1, 1]
+    tok = np.arange(src.block_size, dtype=np.int64)              # [bs]
+    hb = src.head_bytes
+    out = np.empty((reg.shape[0], s.size, src.block_size, 3), dtype=np.int64)
+    for col, lay, ids in ((0, src, s), (1, dst, d)):
+        rows = (reg * lay.num_blocks + ids[None, :, None]) * lay.block_size + tok   # [R, N, bs]
+        out[..., col] = (rows * lay.num_kv_heads + (seg.head - lay.head_start)) * hb
+    out[..., 2] = seg.count * hb
+    return out.reshape(-1, 3)
+
+
 def byte_runs(src: KVLayout, dst: KVLayout, layers: range, src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> list[Copy]:
     """The copies that move `src_blocks` of `layers` into `dst_blocks` (the two KV caches may
     differ in size)."""
-    s, d, n = _run_arrays(*_checked(src, dst, layers, src_blocks, dst_blocks))
-    reg, nb = _regions(layers), src.block_bytes
-    cols = [((reg * layout.num_blocks + start) * nb).ravel()
-            for layout, start in ((src, s), (dst, d))]
-    lengths = np.broadcast_to(n * nb, (len(reg), len(n))).ravel()
-    return list(zip(cols[0].tolist(), cols[1].tolist(), lengths.tolist()))
+    runs = _run_arrays(*_checked(src, dst, layers, src_blocks, dst_blocks))
+    out = _block_runs(src, dst, layers, runs)
+    return list(zip(*(out[:, i].tolist() for i in range(3)))) if out.size else []
+
+
+def shard_copies(src: Sequence[KVLayout], dst: Sequence[KVLayout], segments: Sequence[Segment],
+                 layers: range, src_blocks: Sequence[int],
+                 dst_blocks: Sequence[int]) -> np.ndarray:
+    """[n, 3] int64 (src offset, dst offset, length) moving `src_blocks` of `layers` of the
+    source shards into `dst_blocks` of the destination shards, offsets over each side's
+    virtual concatenation of shards; `segments`: `head_sources(src, dst)`. One shard each
+    side with the same heads: exactly `byte_runs`."""
+    s, d = _checked(src[0], dst[0], layers, src_blocks, dst_blocks)
+    if len(src) == len(dst) == 1 and segments[0].whole(src, dst):
+        # Two unsharded caches (or one window each, the same): the hot path, kept lean.
+        return _block_runs(src[0], dst[0], layers, _run_arrays(s, d))
+    s_at, d_at = starts(src), starts(dst)
+    merged, parts = None, []
+    for seg in segments:
+        sl, dl = src[seg.src], dst[seg.dst]
+        if seg.whole(src, dst):
+            merged = merged if merged is not None else _run_arrays(s, d)
+            part = _block_runs(sl, dl, layers, merged)
+        else:
+            part = _head_runs(sl, dl, seg, layers, s, d)
+        part[:, 0] += s_at[seg.src]
+        part[:, 1] += d_at[seg.dst]
+        parts.append(part)
+    return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.int64)
 
 
 def block_indices(src: KVLayout, dst: KVLayout, layers: range, src_blocks: Sequence[int],
@@ -82,3 +142,18 @@ def block_indices(src: KVLayout, dst: KVLayout, layers: range, src_blocks: Seque
     reg = _regions(layers)
     return ((reg * src.num_blocks + s).ravel().astype(np.int32),
             (reg * dst.num_blocks + d).ravel().astype(np.int32))
+
+
+def shard_block_indices(src: Sequence[KVLayout], dst: Sequence[KVLayout],
+                        segments: Sequence[Segment], layers: range, src_blocks: Sequence[int],
+                        dst_blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """`block_indices` over shards whose segments are all `whole` (identical windows): shard
+    i's descriptors follow shard i - 1's in each side's list (i * layers * 2 * num_blocks)."""
+    s, d = _checked(src[0], dst[0], layers, src_blocks, dst_blocks)
+    reg = _regions(layers)
+    per_s, per_d = (2 * lay.num_layers * lay.num_blocks for lay in (src[0], dst[0]))
+    s_idx, d_idx = (reg * src[0].num_blocks + s).ravel(), (reg * dst[0].num_blocks + d).ravel()
+    if len(segments) == 1 and segments[0].src == segments[0].dst == 0:
+        return s_idx.astype(np.int32), d_idx.astype(np.int32)
+    return (np.concatenate([s_idx + g.src * per_s for g in segments]).astype(np.int32),
+            np.concatenate([d_idx + g.dst * per_d for g in segments]).astype(np.int32))

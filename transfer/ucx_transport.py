@@ -16,7 +16,6 @@ import hashlib
 import struct
 
 import numpy as np
-import torch
 import ucxx._lib.libucxx as ucx_api
 from ucxx._lib.arr import Array
 
@@ -26,7 +25,11 @@ from transfer.messages import Message, MessageError, MsgKind, KVDescriptor
 from transfer.runs import Copy
 
 _CTRL_TAG = 1
-_CTRL_BYTES = 1 << 16
+# A DATA / READ_REQ frame lists its runs (about 12 bytes each): head slices between KV caches
+# of different tensor-parallel shardings are one run per token and head window, so a prompt's
+# write can list tens of thousands.
+_CTRL_BYTES = 1 << 22
+_RUN_BITS = 24   # of a data tag: the run's index within its transfer (the rest: the transfer)
 _DONE = "done"
 
 
@@ -45,7 +48,7 @@ class UcxTransport(KVTransport):
         self._served: dict[str, tuple[str, MsgKind, list]] = {}
         self._orphans: list = []  # requests of cancelled transfers, kept alive until they end
 
-    def _register(self, kv: torch.Tensor) -> None:
+    def _register(self) -> None:
         self._repost_ctrl()
 
     def _address(self) -> bytes:
@@ -58,6 +61,8 @@ class UcxTransport(KVTransport):
 
     def _post(self, t: Transfer, copies: list[Copy]) -> None:
         tag, ep = self._tag(t.id), self._eps[t.peer]
+        if len(copies) >= 1 << _RUN_BITS:
+            raise ValueError(f"{len(copies)} runs: more than a transfer's tags can number")
         runs = tuple((r, n) for _, r, n in copies)
         if t.role is Role.WRITE:
             self._send(t.peer, Message(MsgKind.DATA, t.id, self.name, runs=runs, tag=tag))
@@ -145,20 +150,22 @@ class UcxTransport(KVTransport):
         self._ctrl_req = self._worker.tag_recv(Array(self._ctrl_buf), ucx_api.UCXXTag(_CTRL_TAG))
 
     def _array(self, off: int, n: int) -> Array:
-        return Array(self._bytes()[off:off + n] if self._registered().is_cuda
-                     else self._bytes()[off:off + n].numpy())
+        view = self._slice(off, n)
+        return Array(view if view.is_cuda else view.numpy())
 
     def _check_runs(self, runs) -> None:
-        """Offsets come from a peer: never let them reach outside our KV cache."""
-        size = self._bytes().numel()
-        if len(runs) >= 1 << 16 or any(o < 0 or n < 0 or o + n > size for o, n in runs):
-            raise MessageError(f"runs outside the {size}-byte KV cache")
+        """Offsets come from a peer: never let them reach outside our KV cache's shards."""
+        if len(runs) >= 1 << _RUN_BITS:
+            raise MessageError(f"{len(runs)} runs: more than a transfer's tags can number")
+        super()._check_runs(runs)
 
     @staticmethod
     def _tag(transfer_id: str) -> int:
-        """Per-transfer tag base, low 16 bits left for the run index; never the control tag."""
-        h = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=6).digest(), "big")
-        return (h | 1) << 16
+        """Per-transfer tag base, low _RUN_BITS bits left for the run index; never the control
+        tag."""
+        h = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=(64 - _RUN_BITS) // 8)
+                           .digest(), "big")
+        return (h | 1) << _RUN_BITS
 
     def _close(self) -> None:
         self._worker.stop_progress_thread()
