@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps before re-checking for shutdown.
 IDLE_WAIT_S = 0.5
+# A failed step of a tensor-parallel engine waits this long for a dead rank to show.
+RANK_DEATH_SEEN_S = 2.0
 # The engine thread shares the GIL with the actor's event loop (outputs, Ray streams). Each
 # step it lets go of the GIL while the GPU works; taking it back, it waits until the loop's
 # thread lets go, which a thread busy in Python does only every switch interval (5 ms by
@@ -224,8 +226,8 @@ class EngineLoop:
                 self.step_log.append((began, time.monotonic(), waiting, running))
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the thread
                 logger.exception("engine step failed")
+                self._exit_if_ranks_died()     # before failing its requests: they migrate
                 self._fail_all(EngineFailed(f"engine step failed: {e!r}"))
-                self._exit_if_ranks_died()
                 continue
             self._deliver_step(outputs)
             self._refresh()
@@ -235,7 +237,12 @@ class EngineLoop:
         """A tensor-parallel rank died: this engine can never step again. End the process,
         so that its replica is seen dead at once (its requests migrate, the controller
         restarts it) rather than failing every request it is given."""
-        dead = self.engine.dead_ranks()
+        if self.engine.config.tensor_parallel_size == 1:
+            return
+        # The broken collective may come a moment before the dead rank's exit is seen.
+        deadline = time.monotonic() + RANK_DEATH_SEEN_S
+        while not (dead := self.engine.dead_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if dead:
             logger.error("tensor-parallel rank(s) %s of this engine died; exiting so that the "
                          "replica is replaced", dead)

@@ -45,12 +45,12 @@ Prefill = Callable[[], Awaitable[RequestOutput]]   # runs a prompt's prefill: it
 
 class KVEndpoint:
     """An engine actor's end of the handoff: its engine loop, a transport registered over the
-    engine's KV cache (owned by a TransportPump), the peers it has connected to, and the KV it
-    has moved."""
+    engine's KV cache (every tensor-parallel rank's shard of it, mapped into this process;
+    owned by a TransportPump), the peers it has connected to, and the KV it has moved."""
 
     def __init__(self, loop: EngineLoop, transport: str, timeout_s: float, name: str) -> None:
         tr = make_transport(transport, timeout_s=timeout_s)
-        tr.register(loop.engine.kv_cache, loop.engine.kv_layout)
+        tr.register_shards(loop.engine.kv_shards())
         self.loop, self.timeout_s = loop, timeout_s
         self.descriptor = tr.descriptor()
         self.encoded_descriptor = self.descriptor.encode()

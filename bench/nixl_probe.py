@@ -28,6 +28,7 @@ import torch
 
 from pd_cluster.kv_layout import KVLayout
 from transfer.nixl_transport import NixlTransport
+from transfer.state import Role
 
 
 class Probe:
@@ -51,7 +52,7 @@ class Probe:
         blocks = list(range(self.layout.num_blocks))
         L = self.layout.num_layers
         ranges = [range(i, i + 1) for i in range(L)] if per_layer else [range(L)]
-        return [self.t._plan(self.t.peers[peer].layout, r, blocks, blocks) for r in ranges]
+        return [self.t._plan(Role.WRITE, self.t.peers[peer], r, blocks, blocks) for r in ranges]
 
     def _post(self, peer: str, plan, notif: bytes):
         a = self.t.agent

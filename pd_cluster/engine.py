@@ -89,6 +89,11 @@ class LLMEngine:
     def kv_layout(self):
         return self.runner.kv_layout
 
+    def kv_shards(self):
+        """Every tensor-parallel rank's KV cache and layout, in rank order (pd_cluster/
+        model_runner.py: ModelRunner.kv_shards)."""
+        return self.runner.kv_shards()
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, hold_kv: bool = False,
                     arrival_time: float | None = None) -> str:

@@ -127,12 +127,12 @@ class ModelRunner:
         self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
                                 config.load_format, config.seed)
         self.num_kv_heads = dist.kv_head_shard(model_cfg.num_kv_heads, self.tp_size, rank)[0]
-        self.kv_layout = KVLayout(model=model_name, dtype=str(self.dtype).removeprefix("torch."),
-                                  num_layers=model_cfg.num_layers,
-                                  num_blocks=self._agreed(self._num_blocks(max_model_len)),
-                                  block_size=self.block_size, num_kv_heads=self.num_kv_heads,
-                                  head_dim=model_cfg.head_dim)
+        self.kv_layout = self._rank_layout(rank, model_name,
+                                           self._agreed(self._num_blocks(max_model_len)))
         self.kv_cache = self.kv_layout.allocate(self.device)
+        if self.tp_size > 1 and self.device.type == "cpu":
+            self.kv_cache.share_memory_()       # rank 0's transport maps every rank's KV
+        self._kv_shards: list[tuple[torch.Tensor, KVLayout]] | None = None
         self.sampler = Sampler(self.device)
         self._last_tokens: torch.Tensor | None = None    # a follower's copy of the samples
         self.graphs = None
@@ -142,6 +142,30 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend,
                                        min(config.max_num_seqs, 512), max_model_len,
                                        self.block_size, model_cfg.hidden_size)
+
+    def _rank_layout(self, rank: int, model_name: str, num_blocks: int) -> KVLayout:
+        """The KV layout of `rank`'s cache: its window of the model's KV heads."""
+        m = self.model_cfg
+        local, first = dist.kv_head_shard(m.num_kv_heads, self.tp_size, rank)
+        window = {} if self.tp_size == 1 else {"head_start": first,
+                                               "total_kv_heads": m.num_kv_heads}
+        return KVLayout(model=model_name, dtype=str(self.dtype).removeprefix("torch."),
+                        num_layers=m.num_layers, num_blocks=num_blocks,
+                        block_size=self.block_size, num_kv_heads=local, head_dim=m.head_dim,
+                        **window)
+
+    def kv_shards(self) -> list[tuple[torch.Tensor, KVLayout]]:
+        """Rank 0: every rank's KV cache and its layout, in rank order (one with one rank):
+        what the engine's transport registers."""
+        if self._kv_shards is None:
+            shards = [(self.kv_cache, self.kv_layout)]
+            if self.workers is not None:
+                caches = self.workers.kv_caches()
+                shards += [(caches[r], self._rank_layout(r, self.kv_layout.model,
+                                                         self.kv_layout.num_blocks))
+                           for r in range(1, self.tp_size)]
+            self._kv_shards = shards
+        return self._kv_shards
 
     def _start_ranks(self, runner_args: tuple) -> None:
         """Rank 0: start ranks 1..N-1 and join their group (pd_cluster/tp_workers.py)."""

@@ -56,15 +56,35 @@ class RankWorkers:
         self.size, self.runner_args, self.timeout_s = size, runner_args, timeout_s
         self.init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.procs: list[Any] = []
+        self._kv_queue: Any = None
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
+        self._kv_queue = ctx.Queue()
         for rank in range(1, self.size):
             proc = ctx.Process(target=_worker_main, name=f"pd-tp-rank-{rank}", daemon=True,
                                args=(rank, self.size, self.init_method, self.timeout_s,
-                                     os.getpid(), self.runner_args))
+                                     os.getpid(), self.runner_args, self._kv_queue))
             proc.start()
             self.procs.append(proc)
+
+    def kv_caches(self) -> dict[int, Any]:
+        """Every worker's KV cache tensor, mapped into this process (shared memory on a CPU,
+        CUDA IPC on a GPU): the engine's transport reads and writes all ranks' KV from here.
+        Each worker sends it once its runner is built."""
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < self.size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.dead():
+                raise RuntimeError(f"tensor-parallel ranks {sorted(set(range(1, self.size)) - set(got))} "
+                                   f"did not share their KV cache (dead: {self.dead()})")
+            try:
+                rank, kv = self._kv_queue.get(timeout=min(left, PARENT_CHECK_S))
+            except Exception:  # noqa: BLE001 - queue.Empty: look again (and at the ranks)
+                continue
+            got[rank] = kv
+        return got
 
     def dead(self) -> list[int]:
         """Ranks whose process has exited."""
@@ -82,8 +102,9 @@ class RankWorkers:
 
 
 def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, parent: int,
-                 runner_args: tuple) -> None:
-    """A rank's process: join the group, build the model runner, mirror rank 0's steps."""
+                 runner_args: tuple, kv_queue: Any) -> None:
+    """A rank's process: join the group, build the model runner, hand rank 0 its KV cache,
+    mirror rank 0's steps."""
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     from pd_cluster.distributed import destroy_tp, init_tp
     from pd_cluster.model_runner import ModelRunner
@@ -91,7 +112,9 @@ def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, paren
     config = runner_args[0]
     init_tp(rank, size, init_method, backend_for(config.torch_device(rank).type), timeout_s)
     try:
-        ModelRunner(*runner_args, rank=rank).follow()
+        runner = ModelRunner(*runner_args, rank=rank)
+        kv_queue.put((rank, runner.kv_cache))
+        runner.follow()
     except Exception:  # noqa: BLE001 - rank 0 sees the broken collective; say why here
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)

@@ -155,6 +155,12 @@ class AppConfig(BaseModel):
         '"auto" (see replica_actor_options) or explicit Ray resources'))
     decode_resources: Resources = Field(AUTO, description=(
         '"auto" (see replica_actor_options) or explicit Ray resources'))
+    prefill_tensor_parallel_size: int | None = Field(None, ge=1, le=64, description=(
+        "GPUs (tensor-parallel ranks) of each prefill replica; null: "
+        "engine.tensor_parallel_size"))
+    decode_tensor_parallel_size: int | None = Field(None, ge=1, le=64, description=(
+        "GPUs (tensor-parallel ranks) of each decode replica (colocated: each engine); null: "
+        "engine.tensor_parallel_size"))
     transport: Literal["nixl", "ucx", "ray", "local"] = Field("nixl", description=(
         "KV transport between P and D (pooled: and the pool)"))
     # 0 keeps every prompt on P, so disaggregated output stays comparable token for token with
@@ -200,16 +206,11 @@ class AppConfig(BaseModel):
         if self.mode != "colocated" and self.num_prefill < 1:
             raise ValueError(f"num_prefill: {self.mode} mode needs at least 1 prefill replica "
                              "(0 only with mode: colocated)")
-        tp = self.engine.tensor_parallel_size
-        if tp > 1 and self.mode != "colocated":
-            raise ValueError(
-                f"engine.tensor_parallel_size: {tp} in {self.mode} mode; KV transfer between "
-                "tensor-parallel engines is not built yet: use mode colocated, or 1")
-        for name in ("prefill_resources", "decode_resources"):
-            spec = getattr(self, name)
+        for role in ROLES:
+            tp, spec = self.tensor_parallel_size(role), getattr(self, f"{role}_resources")
             if tp > 1 and isinstance(spec, ReplicaResources) and 0 < spec.num_gpus < tp:
-                raise ValueError(f"{name}.num_gpus: {spec.num_gpus:g} for "
-                                 f"engine.tensor_parallel_size {tp}: each rank needs a GPU")
+                raise ValueError(f"{role}_resources.num_gpus: {spec.num_gpus:g} for "
+                                 f"{self._tp_field(role)} {tp}: each rank needs a GPU")
         if self.router_autoscaling is not None and self.router_replicas != 1:
             raise ValueError(
                 f"router_replicas: {self.router_replicas} with router_autoscaling set; leave "
@@ -221,6 +222,22 @@ class AppConfig(BaseModel):
             if longest is not None and value is not None and value > longest:
                 raise ValueError(f"limits.{name}: {value} exceeds engine.max_model_len {longest}")
         return self
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """Tensor-parallel ranks (GPUs) of each `role` replica."""
+        own = getattr(self, f"{role}_tensor_parallel_size")
+        return self.engine.tensor_parallel_size if own is None else own
+
+    def _tp_field(self, role: str) -> str:
+        own = f"{role}_tensor_parallel_size"
+        return own if getattr(self, own) is not None else "engine.tensor_parallel_size"
+
+    def role_engine(self, engine: EngineConfig, role: str) -> EngineConfig:
+        """`engine` (the resolved engine config) as a `role` replica runs it."""
+        tp = self.tensor_parallel_size(role)
+        if tp == engine.tensor_parallel_size:
+            return engine
+        return engine.model_copy(update={"tensor_parallel_size": tp})
 
     @property
     def router_max_replicas(self) -> int:
@@ -241,7 +258,7 @@ def replica_actor_options(config: AppConfig, role: str,
     """Ray actor options of one `role` ("prefill" or "decode") replica.
 
     Explicit resources are returned as written. "auto" asks for one GPU per tensor-parallel
-    rank (engine.tensor_parallel_size) when the cluster has GPUs, else a share of the CPUs that leaves one for each router replica (see _cpu_share);
+    rank (`tensor_parallel_size(role)`) when the cluster has GPUs, else a share of the CPUs that leaves one for each router replica (see _cpu_share);
     and, when the cluster offers the custom resource named after the role (a node group of
     `configs/cluster.yaml` or the Helm chart), ROLE_RESOURCE_SHARE of it, which pins the
     replica to its group. In colocated mode the engines are "decode" replicas.
@@ -255,7 +272,7 @@ def replica_actor_options(config: AppConfig, role: str,
     if cluster_resources.get("GPU", 0) >= 1:
         # One GPU per tensor-parallel rank, all on one node: Ray places an actor on one node.
         options: dict[str, Any] = {"num_cpus": 1.0,
-                                   "num_gpus": float(config.engine.tensor_parallel_size)}
+                                   "num_gpus": float(config.tensor_parallel_size(role))}
     else:
         options = {"num_cpus": _cpu_share(config, cluster_resources.get("CPU", 1.0)),
                    "num_gpus": 0.0}

@@ -118,13 +118,16 @@ class EngineFleet:
 
         def spawn(role: str, replica_id: int) -> Any:
             options = {**actor_options[role], "max_restarts": 0}
+            role_engine = config.role_engine(engine, role)   # its tensor-parallel size
             if config.mode == "colocated":
                 from actors.colocated_actor import ColocatedActor
-                return ColocatedActor.options(**options).remote(engine, replica_id, timeout)
+                return ColocatedActor.options(**options).remote(role_engine, replica_id,
+                                                                timeout)
             from actors.decode_actor import DecodingActor
             from actors.prefill_actor import PrefillActor
             cls_ = PrefillActor if role == PREFILL else DecodingActor
-            return cls_.options(**options).remote(engine, replica_id, config.transport, timeout)
+            return cls_.options(**options).remote(role_engine, replica_id, config.transport,
+                                                  timeout)
         return cls(config.mode, {PREFILL: config.num_prefill, DECODE: config.num_decode},
                    handoff, actor_options, spawn, supervise)
 

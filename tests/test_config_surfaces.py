@@ -44,6 +44,9 @@ CHART_COMPUTED: dict[FieldPath, str] = {
 RENAMED: dict[FieldPath, FieldPath] = {
     ("router_replicas",): ("router", "replicas"),
     ("router_autoscaling",): ("router", "autoscaling"),
+    # A replica's GPUs belong with its pool's other sizes.
+    ("prefill_tensor_parallel_size",): ("prefill", "tensorParallelSize"),
+    ("decode_tensor_parallel_size",): ("decode", "tensorParallelSize"),
 }
 # Top-level values that are the chart's own (Kubernetes objects, images, pods), no tree field.
 CHART_ONLY = {"global", "nameOverride", "fullnameOverride", "image", "imagePullSecrets",
@@ -151,13 +154,21 @@ def schema() -> dict:
     return json.loads((CHART / "values.schema.json").read_text())
 
 
-def schema_leaves(node: dict, prefix: FieldPath = ()) -> set[FieldPath]:
+def schema_leaves(node: dict, prefix: FieldPath = (), chart_only: bool = False
+                  ) -> set[FieldPath]:
+    """Leaf paths of the schema that stand for tree fields: not the chart's own values, but
+    those a tree field was renamed to even inside a chart-only section (a pool's
+    tensorParallelSize)."""
     found = set()
     for name, prop in node["properties"].items():
         path = prefix + (name,)
-        if (not prefix and name in CHART_ONLY) or path in CHART_ONLY_PATHS:
+        if path in CHART_ONLY_PATHS:
             continue
-        found |= schema_leaves(prop, path) if "properties" in prop else {path}
+        own = chart_only or (not prefix and name in CHART_ONLY)
+        if "properties" in prop:
+            found |= schema_leaves(prop, path, own)
+        elif not own or path in RENAMED.values():
+            found.add(path)
     return found
 
 

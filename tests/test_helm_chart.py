@@ -398,3 +398,15 @@ def test_tensor_parallel_size_reaches_the_engine_and_needs_a_gpu_per_rank(helm):
                                          "engine.tensor_parallel_size 2"):
         AppConfig.from_args({"mode": "colocated", "engine": {"tensor_parallel_size": 2},
                              "decode_resources": {"num_gpus": 1}})
+
+
+def test_each_pool_may_run_its_own_tensor_parallel_size(helm):
+    args = rendered_app_args(helm, "prefill.tensorParallelSize=2", "prefill.gpusPerReplica=2")
+    assert args["prefill_tensor_parallel_size"] == 2
+    assert args["decode_tensor_parallel_size"] is None
+    config = AppConfig.from_args(args)
+    assert (config.tensor_parallel_size("prefill"), config.tensor_parallel_size("decode")) == (2, 1)
+    done = run_helm(helm, "template", "pd", str(CHART), "--set", "decode.tensorParallelSize=4",
+                    "--set", "decode.gpusPerReplica=2")
+    message = "decode.gpusPerReplica (2) is below decode.tensorParallelSize (4)"
+    assert done.returncode != 0 and message in done.stderr, done.stderr

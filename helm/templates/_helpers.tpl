@@ -74,11 +74,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $args "num_prefill" (int $v.prefill.replicas) -}}
 {{- $_ := set $args "prefill_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "prefill") | fromYaml) -}}
 {{- end -}}
-{{- $tp := int ($v.engine.tensorParallelSize | default 1) -}}
 {{- range $role := list "prefill" "decode" -}}
-{{- $gpus := int (index $v $role).gpusPerReplica -}}
+{{- $pool := index $v $role -}}
+{{- $tp := int ($v.engine.tensorParallelSize | default 1) -}}
+{{- $what := "engine.tensorParallelSize" -}}
+{{- $_ := set $args (printf "%s_tensor_parallel_size" $role) $pool.tensorParallelSize -}}
+{{- if $pool.tensorParallelSize -}}
+{{- $tp = int $pool.tensorParallelSize -}}
+{{- $what = printf "%s.tensorParallelSize" $role -}}
+{{- end -}}
+{{- $gpus := int $pool.gpusPerReplica -}}
 {{- if and (gt $tp 1) (gt $gpus 0) (lt $gpus $tp) (or (eq $role "decode") (ne $v.mode "colocated")) -}}
-{{- fail (printf "%s.gpusPerReplica (%d) is below engine.tensorParallelSize (%d): each rank needs a GPU" $role $gpus $tp) -}}
+{{- fail (printf "%s.gpusPerReplica (%d) is below %s (%d): each rank needs a GPU" $role $gpus $what $tp) -}}
 {{- end -}}
 {{- end -}}
 {{- if $v.engine.maxModelLen -}}
