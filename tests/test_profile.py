@@ -89,3 +89,19 @@ def test_bad_profile_grid_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         main(["profile", "--prefill-tokens", "16,abc"])
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_engine_is_profiled_and_recorded(tmp_path: Path, tiny_model_root):
+    """`--tensor-parallel-size 2` measures a 2-rank engine (gloo on the CPU) and the file says
+    so: `tune` then counts 2 GPUs per instance."""
+    from tiny_models import make_tiny_model
+
+    path = tmp_path / "tp2.json"
+    assert main(["profile", "--model", make_tiny_model("llama_gqa", tiny_model_root),
+                 "--device", "cpu", "--tensor-parallel-size", "2", "-o", str(path),
+                 "--prefill-tokens", "16,32,64", "--prefill-splits", "1,2",
+                 "--decode-batches", "1,2,4", "--decode-contexts", "32,64", "--passes", "1",
+                 "--decode-steps", "2", "--held-out", "0", "--quiet"]) == 0
+    profile = Profile.load(path)
+    assert profile.tensor_parallel_size == 2
+    assert profile.prefill.coef and profile.decode.coef

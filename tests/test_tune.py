@@ -249,3 +249,22 @@ def test_an_overhead_measured_under_load_is_drawn_per_request_from_its_quantiles
     assert np.percentile(added, [10, 50, 90]) == pytest.approx([0.03, 0.07, 0.11], abs=0.003)
     assert "serving overhead: 70 ms under load (p10 30, p90 110)" in \
         profile.serving_overhead.describe()
+
+
+def test_a_tensor_parallel_profile_counts_its_gpus_per_instance(h100_profile: Path,
+                                                                 tmp_path: Path):
+    """A profile of a TP=2 engine: every candidate's instances take 2 GPUs, so a budget of 5
+    GPUs holds 2 instances, and the snippets give each replica 2 GPUs."""
+    data = json.loads(h100_profile.read_text())
+    data["engine"]["tensor_parallel_size"] = 2
+    profile = tmp_path / "tp2.json"
+    profile.write_text(json.dumps(data))
+    assert Profile.load(profile).tensor_parallel_size == 2
+    results = tune(profile, tmp_path / "out", "--rate", "0.2", "--gpus", "5")
+    assert {(r["num_prefill"], r["num_decode"]) for r in results} == {(1, 1), (0, 1), (0, 2)}
+    assert all(r["gpus"] == 2 * (r["num_prefill"] + r["num_decode"]) for r in results)
+    assert all(r["tensor_parallel_size"] == 2 for r in results)
+    args = yaml.safe_load((tmp_path / "out" / "pd-args.yaml").read_text())
+    assert AppConfig.from_args(args).tensor_parallel_size("decode") == 2
+    assert "tensorParallelSize: 2" in (tmp_path / "out" / "helm-values.yaml").read_text()
+    assert "TP2" in (tmp_path / "out" / "table.txt").read_text()

@@ -33,6 +33,8 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (config.json only)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs of the engine measured (tune counts that many per instance)")
     p.add_argument("-o", "--output", default="pd-profile.json", help="profile file to write")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 on CPU, torch's choice on GPU)")
@@ -60,7 +62,8 @@ def _profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--held-out: expected a share in [0, 1), got {args.held_out}")
     grid.held_out_fraction = args.held_out
     profile = run_profile(args.model, args.dtype, args.device, grid, args.threads,
-                          progress=not args.quiet, load_format=args.load_format)
+                          progress=not args.quiet, load_format=args.load_format,
+                          tensor_parallel_size=args.tensor_parallel_size)
     profile.save(args.output)
     for name, m in (("prefill", profile.prefill), ("decode", profile.decode)):
         terms = " + ".join(f"{c:.4g}·{f}" for c, f in zip(m.coef, m.features))
@@ -158,7 +161,8 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-slo", default="1s", help="time to first token, e.g. 500ms")
     p.add_argument("--tpot-slo", default="100ms", help="time per output token, e.g. 50ms")
     p.add_argument("--slo-percentile", default="p90", help="share of requests that must meet both")
-    p.add_argument("--gpus", type=int, default=8, help="GPU budget: P + D (or engines) at most")
+    p.add_argument("--gpus", type=int, default=8, help="GPU budget: (P + D, or engines) x the "
+                   "profile's tensor_parallel_size at most")
     p.add_argument("--kv-bandwidth", default="25GB/s", help="KV transfer bandwidth into one "
                    "decode instance, e.g. 50GB/s, 400Gbps")
     p.add_argument("--kv-capacity-tokens", type=int,
@@ -197,7 +201,8 @@ def _tune(args: argparse.Namespace) -> int:
                           args.max_num_seqs)
     settings = SearchSettings(args.gpus, parse_rate(args.rate), args.num_requests,
                               args.burstiness, include_colocated=not args.no_colocated,
-                              seed=args.seed)
+                              seed=args.seed,
+                              gpus_per_instance=profile.tensor_parallel_size)
     if profile.serving_overhead:
         print(profile.serving_overhead.describe())
     results = search(profile, limits, workload, slo, settings, progress=not args.quiet)
@@ -246,6 +251,7 @@ def _finite(x: float) -> float | None:
 
 def _row(c: Candidate) -> dict:
     return {"config": str(c.spec), "num_prefill": c.spec.num_prefill,
-            "num_decode": c.spec.num_decode, "gpus": c.spec.num_gpus, "rate": c.rate,
+            "num_decode": c.spec.num_decode, "gpus": c.spec.num_gpus,
+            "tensor_parallel_size": c.spec.gpus_per_instance, "rate": c.rate,
             "goodput": c.goodput, "goodput_per_gpu": c.goodput_per_gpu,
             "attainment": c.attainment, "ttft": _finite(c.ttft), "tpot": _finite(c.tpot)}

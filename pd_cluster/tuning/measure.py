@@ -66,10 +66,13 @@ def default_grid(device: str) -> ProfileGrid:
 
 def run_profile(model: str | None = None, dtype: str = "auto", device: str = "auto",
                 grid: ProfileGrid | None = None, threads: int | None = None,
-                progress: bool = True, load_format: str = "auto") -> Profile:
+                progress: bool = True, load_format: str = "auto",
+                tensor_parallel_size: int = 1) -> Profile:
     """Measure the grid through an engine on this machine and fit both latency models.
 
     `threads`: torch CPU threads; None keeps torch's choice on a GPU and uses 1 on a CPU.
+    `tensor_parallel_size`: GPUs of the engine measured (the profile holds it; `tune` counts
+    that many GPUs per instance).
     """
     model = DEFAULT_MODEL if model is None else model
     probe = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format)
@@ -91,15 +94,20 @@ def run_profile(model: str | None = None, dtype: str = "auto", device: str = "au
     longest = max(max(grid.prefill_tokens), max(grid.decode_contexts)) + grid.decode_steps + 8
     config = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format,
                           max_num_batched_tokens=budget, max_num_seqs=max(grid.decode_batches),
-                          max_model_len=longest, enable_prefix_caching=False)
+                          max_model_len=longest, enable_prefix_caching=False,
+                          tensor_parallel_size=tensor_parallel_size)
     engine = LLMEngine(config)
-    prefill, decode = _measure(engine, grid, clock, progress)
+    try:
+        prefill, decode = _measure(engine, grid, clock, progress)
+    finally:
+        engine.close()
     machine = {**machine_info(engine), "clock": "process_cpu_time" if cpu_clock else "wall"}
     return Profile(machine=machine, model=model_info(engine),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    engine={"block_size": config.block_size,
                            "kv_capacity_tokens": engine.kv.num_blocks * config.block_size,
-                           "max_num_batched_tokens": config.max_num_batched_tokens},
+                           "max_num_batched_tokens": config.max_num_batched_tokens,
+                           "tensor_parallel_size": tensor_parallel_size},
                    prefill=LatencyModel.fit(PREFILL_FEATURES, prefill),
                    decode=LatencyModel.fit(DECODE_FEATURES, decode))
 

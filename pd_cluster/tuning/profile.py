@@ -177,10 +177,16 @@ class Profile:
     machine: dict[str, Any]
     model: dict[str, Any]            # name, layer/head shape, dtype, kv_bytes_per_token
     date: str
-    engine: dict[str, Any]           # block_size, kv_capacity_tokens, max_num_batched_tokens
+    engine: dict[str, Any]           # block_size, kv_capacity_tokens, max_num_batched_tokens,
+                                     # tensor_parallel_size (absent in older files: 1)
     prefill: LatencyModel
     decode: LatencyModel
     serving_overhead: ServingOverhead | None = None    # None: not measured (or ignored)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """GPUs of the engine that was measured: one instance of the tuned deployment."""
+        return int(self.engine.get("tensor_parallel_size", 1))
 
     @property
     def kv_bytes_per_token(self) -> int:

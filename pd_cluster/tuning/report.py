@@ -76,6 +76,7 @@ def serve_args_snippet(best: Candidate, limits: EngineLimits) -> str:
         "engine:",
         f"  max_num_seqs: {limits.max_num_seqs}",
         f"  max_num_batched_tokens: {limits.max_num_batched_tokens}",
+        f"  tensor_parallel_size: {best.spec.gpus_per_instance}",
     ]) + "\n"
 
 
@@ -85,8 +86,10 @@ def helm_values_snippet(best: Candidate, limits: EngineLimits) -> str:
              f"mode: {'colocated' if best.spec.colocated else 'disaggregated'}",
              "engine:",
              f"  maxNumSeqs: {limits.max_num_seqs}",
-             f"  maxNumBatchedTokens: {limits.max_num_batched_tokens}"]
+             f"  maxNumBatchedTokens: {limits.max_num_batched_tokens}",
+             f"  tensorParallelSize: {best.spec.gpus_per_instance}"]
+    gpus = f"  gpusPerReplica: {best.spec.gpus_per_instance}"
     if not best.spec.colocated:
-        lines += ["prefill:", f"  replicas: {best.spec.num_prefill}"]
-    lines += ["decode:", f"  replicas: {best.spec.num_decode}"]
+        lines += ["prefill:", f"  replicas: {best.spec.num_prefill}", gpus]
+    lines += ["decode:", f"  replicas: {best.spec.num_decode}", gpus]
     return "\n".join(lines) + "\n"

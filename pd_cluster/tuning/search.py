@@ -40,6 +40,7 @@ class SearchSettings:
     bisect_steps: int = 10
     include_colocated: bool = True
     seed: int = 0
+    gpus_per_instance: int = 1         # the profiled engine's tensor-parallel size
 
 
 @dataclass(slots=True)
@@ -58,13 +59,19 @@ class Candidate:
         return self.goodput / self.spec.num_gpus
 
 
-def candidates(gpu_budget: int, include_colocated: bool = True) -> list[ClusterSpec]:
-    """Every P:D (and colocated count) that fits in the GPU budget."""
+def candidates(gpu_budget: int, include_colocated: bool = True,
+               gpus_per_instance: int = 1) -> list[ClusterSpec]:
+    """Every P:D (and colocated count) that fits in the GPU budget, with instances of
+    `gpus_per_instance` GPUs."""
     if gpu_budget < 1:
         raise ValueError(f"GPU budget must be at least 1, got {gpu_budget}")
-    specs = [ClusterSpec(p, d) for p in range(1, gpu_budget) for d in range(1, gpu_budget - p + 1)]
+    n, g = gpu_budget // gpus_per_instance, gpus_per_instance
+    if n < 1:
+        raise ValueError(f"GPU budget {gpu_budget} is below one instance of {g} GPUs "
+                         "(the profile's tensor_parallel_size)")
+    specs = [ClusterSpec(p, d, g) for p in range(1, n) for d in range(1, n - p + 1)]
     if include_colocated:
-        specs += [ClusterSpec(0, n) for n in range(1, gpu_budget + 1)]
+        specs += [ClusterSpec(0, k, g) for k in range(1, n + 1)]
     if not specs:
         raise ValueError("a GPU budget of 1 leaves only colocated; do not exclude it")
     return specs
@@ -97,7 +104,8 @@ def search(profile: Profile, limits: EngineLimits, workload: Workload, slo: SLO,
     """Evaluate every candidate; returns them best first."""
     rng = np.random.default_rng(settings.seed)
     probe = workload.sample(settings.num_requests, rng)
-    specs = candidates(settings.gpu_budget, settings.include_colocated)
+    specs = candidates(settings.gpu_budget, settings.include_colocated,
+                       settings.gpus_per_instance)
     ceilings = {spec: capacity(profile, limits, probe, spec) for spec in specs}
     lifetime = slo.ttft + (max(o for _, o in probe) - 1) * slo.tpot
     top_rate = settings.rate or max(ceilings.values())

@@ -31,10 +31,12 @@ from pd_cluster.tuning.slo import SLO
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
-    """A candidate deployment: P prefill + D decode instances, or D colocated engines."""
+    """A candidate deployment: P prefill + D decode instances, or D colocated engines, each of
+    `gpus_per_instance` GPUs (the profiled engine's tensor-parallel size)."""
 
     num_prefill: int
     num_decode: int
+    gpus_per_instance: int = 1
 
     @property
     def colocated(self) -> bool:
@@ -42,11 +44,12 @@ class ClusterSpec:
 
     @property
     def num_gpus(self) -> int:
-        return self.num_prefill + self.num_decode
+        return (self.num_prefill + self.num_decode) * self.gpus_per_instance
 
     def __str__(self) -> str:
-        return f"colocated x{self.num_decode}" if self.colocated else \
+        name = f"colocated x{self.num_decode}" if self.colocated else \
             f"{self.num_prefill}P{self.num_decode}D"
+        return name if self.gpus_per_instance == 1 else f"{name} TP{self.gpus_per_instance}"
 
 
 @dataclass(frozen=True, slots=True)
