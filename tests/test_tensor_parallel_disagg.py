@@ -63,7 +63,8 @@ def expected(tiny_model_root) -> tuple[str, list[list[int]]]:
 @pytest.mark.parametrize("mode, transport, p_tp, d_tp", [
     ("disaggregated", "nixl", 2, 1), ("disaggregated", "nixl", 1, 2),
     ("disaggregated", "nixl", 2, 2), ("disaggregated", "ray", 2, 1),
-    ("disaggregated", "ray", 1, 2), ("pooled", "nixl", 2, 1)])
+    ("disaggregated", "ray", 1, 2), ("disaggregated", "ray", 2, 2), ("pooled", "nixl", 2, 1),
+    ("pooled", "nixl", 1, 2)])
 def test_tensor_parallel_degrees_may_differ_between_p_and_d(expected, mode, transport, p_tp,
                                                            d_tp):
     model_dir, colocated = expected
