@@ -1,0 +1,150 @@
+"""The P:D planner's policy: from one interval's measurements, what to change in the pools.
+
+Each interval the planner looks at the interval's TTFT and TPOT at the SLO percentile and the
+pool sizes, and returns one Decision (an Action and why):
+
+    TTFT over its SLO, TPOT within     → more prefill: ADD_PREFILL while the GPU budget and
+                                          max_prefill allow, else FLIP_TO_PREFILL a decode
+                                          engine when decode has headroom (TPOT well within)
+    TPOT over its SLO, TTFT within     → more decode: the mirror image
+    both over                          → add to the pool further over its SLO, if room
+    both well within (under `headroom` × SLO)
+                                       → REMOVE the pool with more slack (down to its min)
+    otherwise, or within `cooldown_s` of the last change, or no requests → HOLD
+
+One change per decision, then a cooldown: a new engine takes a while to load and the next
+interval's figures must show its effect before the planner acts again. A flip keeps the
+engine's weights loaded, so it is preferred over remove-then-add when the budget is spent.
+No Ray here: the engine controller applies decisions to live pools, and `pd-cluster tune`
+can replay it over simulated intervals.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class Action(str, enum.Enum):
+    HOLD = "hold"
+    ADD_PREFILL = "add_prefill"
+    ADD_DECODE = "add_decode"
+    REMOVE_PREFILL = "remove_prefill"
+    REMOVE_DECODE = "remove_decode"
+    FLIP_TO_PREFILL = "flip_to_prefill"     # a decode engine becomes a prefill one
+    FLIP_TO_DECODE = "flip_to_decode"       # a prefill engine becomes a decode one
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerSettings:
+    """The planner's targets and bounds (GPUs count instances × gpus_per_instance)."""
+
+    ttft_s: float
+    tpot_s: float
+    gpu_budget: int
+    min_prefill: int = 1
+    max_prefill: int = 64
+    min_decode: int = 1
+    max_decode: int = 64
+    cooldown_s: float = 60.0
+    headroom: float = 0.5           # a pool under headroom × its SLO has room to give
+    gpus_per_instance: int = 1
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ValueError("planner SLOs: ttft and tpot must be > 0")
+        if not 0 < self.headroom < 1:
+            raise ValueError(f"planner headroom: {self.headroom} is not in (0, 1)")
+        if not (1 <= self.min_prefill <= self.max_prefill
+                and 1 <= self.min_decode <= self.max_decode):
+            raise ValueError("planner bounds: need 1 <= min <= max for prefill and decode")
+        least = (self.min_prefill + self.min_decode) * self.gpus_per_instance
+        if self.gpu_budget < least:
+            raise ValueError(f"planner gpu_budget: {self.gpu_budget} is below the pools' "
+                             f"minimum ({least} GPUs)")
+
+
+@dataclass(frozen=True, slots=True)
+class IntervalStats:
+    """One interval as measured: pool sizes, and TTFT / TPOT (seconds) at the SLO percentile
+    of the requests that finished in it (nan: none finished)."""
+
+    num_prefill: int
+    num_decode: int
+    ttft: float
+    tpot: float
+    requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: str
+    stats: IntervalStats
+
+
+class Planner:
+    """Decides one change per interval; `decide(stats, now)` with `now` in seconds (any
+    monotonic clock; the replay's simulated one)."""
+
+    def __init__(self, settings: PlannerSettings) -> None:
+        self.settings = settings
+        self.changed_at = -math.inf
+
+    def decide(self, stats: IntervalStats, now: float) -> Decision:
+        decision = self._decide(stats, now)
+        if decision.action is not Action.HOLD:
+            self.changed_at = now
+        return decision
+
+    def _decide(self, s: IntervalStats, now: float) -> Decision:
+        cfg = self.settings
+        hold = lambda why: Decision(Action.HOLD, why, s)   # noqa: E731 - four uses below
+        if now - self.changed_at < cfg.cooldown_s:
+            return hold(f"cooling down ({now - self.changed_at:.0f} of {cfg.cooldown_s:g} s "
+                        "since the last change)")
+        if s.requests == 0 or math.isnan(s.ttft) or math.isnan(s.tpot):
+            return hold("no finished requests this interval")
+        ttft, tpot = s.ttft / cfg.ttft_s, s.tpot / cfg.tpot_s     # 1.0: exactly at the SLO
+        figures = f"TTFT {s.ttft * 1e3:.0f} ms ({ttft:.2f}x SLO), TPOT {s.tpot * 1e3:.1f} ms " \
+                  f"({tpot:.2f}x SLO), {s.num_prefill}P{s.num_decode}D"
+        room = (s.num_prefill + s.num_decode + 1) * cfg.gpus_per_instance <= cfg.gpu_budget
+        if ttft > 1 and tpot <= 1:
+            return self._grow("prefill", s, room, tpot < cfg.headroom, figures)
+        if tpot > 1 and ttft <= 1:
+            return self._grow("decode", s, room, ttft < cfg.headroom, figures)
+        if ttft > 1 and tpot > 1:
+            worse = "prefill" if ttft >= tpot else "decode"
+            return self._grow(worse, s, room, False, figures)
+        if ttft < cfg.headroom and tpot < cfg.headroom:
+            return self._shrink(s, ttft, tpot, figures)
+        return hold(f"within the SLOs: {figures}")
+
+    def _grow(self, role: str, s: IntervalStats, room: bool, other_has_headroom: bool,
+              figures: str) -> Decision:
+        cfg = self.settings
+        other = "decode" if role == "prefill" else "prefill"
+        have, most = getattr(s, f"num_{role}"), getattr(cfg, f"max_{role}")
+        others, least = getattr(s, f"num_{other}"), getattr(cfg, f"min_{other}")
+        short = "TTFT" if role == "prefill" else "TPOT"
+        if room and have < most:
+            return Decision(Action(f"add_{role}"), f"{short} over its SLO: {figures}", s)
+        if other_has_headroom and others > least and have < most:
+            return Decision(Action(f"flip_to_{role}"),
+                            f"{short} over its SLO, no GPU to add, {other} has headroom: "
+                            f"{figures}", s)
+        return Decision(Action.HOLD, f"{short} over its SLO but {role} cannot grow "
+                        f"(budget {cfg.gpu_budget} GPUs, max_{role} {most}): {figures}", s)
+
+    def _shrink(self, s: IntervalStats, ttft: float, tpot: float, figures: str) -> Decision:
+        cfg = self.settings
+        # The pool with more slack gives one back, if it may.
+        for role in (("prefill", "decode") if ttft <= tpot else ("decode", "prefill")):
+            if getattr(s, f"num_{role}") > getattr(cfg, f"min_{role}"):
+                return Decision(Action(f"remove_{role}"),
+                                f"both well within the SLOs: {figures}", s)
+        return Decision(Action.HOLD, f"well within the SLOs, pools at their minimum: {figures}",
+                        s)

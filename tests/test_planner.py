@@ -1,0 +1,79 @@
+"""The P:D planner's policy (pd_cluster/planner.py): which pool it grows when TTFT or TPOT
+misses its SLO, a flip when the GPU budget is spent, a removal when both pools have slack,
+one change per cooldown, and settings it refuses."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from pd_cluster.planner import Action, IntervalStats, Planner, PlannerSettings
+
+SLO = dict(ttft_s=1.0, tpot_s=0.05)
+
+
+def decide(num_p: int, num_d: int, ttft: float, tpot: float, budget: int = 8, **kw) -> Action:
+    planner = Planner(PlannerSettings(**SLO, gpu_budget=budget, **kw))
+    return planner.decide(IntervalStats(num_p, num_d, ttft, tpot, 100), now=0.0).action
+
+
+def test_slow_first_tokens_grow_prefill_and_slow_decoding_grows_decode():
+    assert decide(1, 1, ttft=2.0, tpot=0.04) is Action.ADD_PREFILL
+    assert decide(1, 1, ttft=0.5, tpot=0.09) is Action.ADD_DECODE
+    # Both over: the pool further over its SLO.
+    assert decide(1, 1, ttft=3.0, tpot=0.06) is Action.ADD_PREFILL
+    assert decide(1, 1, ttft=1.1, tpot=0.2) is Action.ADD_DECODE
+
+
+def test_a_spent_budget_flips_an_engine_from_the_pool_with_headroom():
+    assert decide(2, 2, ttft=2.0, tpot=0.01, budget=4) is Action.FLIP_TO_PREFILL
+    assert decide(2, 2, ttft=0.2, tpot=0.09, budget=4) is Action.FLIP_TO_DECODE
+    # No headroom on the other side, or it is at its minimum: nothing to do.
+    assert decide(2, 2, ttft=2.0, tpot=0.04, budget=4) is Action.HOLD
+    assert decide(3, 1, ttft=2.0, tpot=0.01, budget=4) is Action.HOLD
+
+
+def test_tensor_parallel_instances_count_their_gpus_against_the_budget():
+    assert decide(1, 1, ttft=2.0, tpot=0.04, budget=4, gpus_per_instance=2) is Action.HOLD
+    assert decide(1, 1, ttft=2.0, tpot=0.04, budget=6, gpus_per_instance=2) is \
+        Action.ADD_PREFILL
+
+
+def test_both_pools_with_slack_give_one_back_down_to_their_minimum():
+    assert decide(2, 3, ttft=0.1, tpot=0.02) is Action.REMOVE_PREFILL   # prefill: more slack
+    assert decide(2, 3, ttft=0.4, tpot=0.005) is Action.REMOVE_DECODE
+    assert decide(1, 3, ttft=0.1, tpot=0.02) is Action.REMOVE_DECODE    # prefill at its min
+    assert decide(1, 1, ttft=0.1, tpot=0.02) is Action.HOLD
+    assert decide(2, 2, ttft=0.8, tpot=0.02) is Action.HOLD             # within, not slack
+
+
+def test_one_change_per_cooldown_and_none_without_traffic():
+    planner = Planner(PlannerSettings(**SLO, gpu_budget=8, cooldown_s=60))
+    slow = IntervalStats(1, 1, 2.0, 0.04, 100)
+    assert planner.decide(slow, now=0).action is Action.ADD_PREFILL
+    held = planner.decide(IntervalStats(2, 1, 2.0, 0.04, 100), now=30)
+    assert held.action is Action.HOLD and "cooling down" in held.reason
+    assert planner.decide(IntervalStats(2, 1, 2.0, 0.04, 100), now=61).action is \
+        Action.ADD_PREFILL
+    idle = planner.decide(IntervalStats(3, 1, math.nan, math.nan, 0), now=200)
+    assert idle.action is Action.HOLD and "no finished requests" in idle.reason
+
+
+def test_every_decision_says_why_with_its_figures():
+    d = Planner(PlannerSettings(**SLO, gpu_budget=8)).decide(
+        IntervalStats(1, 2, 1.5, 0.03, 40), now=0)
+    assert d.action is Action.ADD_PREFILL
+    assert "TTFT over its SLO" in d.reason and "1500 ms (1.50x SLO)" in d.reason
+    assert "1P2D" in d.reason
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(gpu_budget=1), "gpu_budget: 1 is below the pools' minimum (2 GPUs)"),
+    (dict(gpu_budget=8, headroom=1.5), "headroom"),
+    (dict(gpu_budget=8, min_prefill=3, max_prefill=2), "bounds"),
+    (dict(gpu_budget=8, ttft_s=0), "SLOs"),
+])
+def test_impossible_settings_are_refused_naming_them(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PlannerSettings(**{**SLO, **kw})
