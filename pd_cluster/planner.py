@@ -8,12 +8,14 @@ pool sizes, and returns one Decision (an Action and why):
                                           engine when decode has headroom (TPOT well within)
     TPOT over its SLO, TTFT within     → more decode: the mirror image
     both over                          → add to the pool further over its SLO, if room
-    both well within (under `headroom` × SLO)
+    both well within (under `headroom` × SLO) for `calm_intervals` intervals in a row
                                        → REMOVE the pool with more slack (down to its min)
     otherwise, or within `cooldown_s` of the last change, or no requests → HOLD
 
 One change per decision, then a cooldown: a new engine takes a while to load and the next
-interval's figures must show its effect before the planner acts again. A flip keeps the
+interval's figures must show its effect before the planner acts again. Removing waits for
+several calm intervals: growing fixes a miss at once, shrinking on one quiet interval made
+the pools swing back and forth under a steady load (seen in the replay). A flip keeps the
 engine's weights loaded, so it is preferred over remove-then-add when the budget is spent.
 No Ray here: the engine controller applies decisions to live pools, and `pd-cluster tune`
 can replay it over simulated intervals.
@@ -51,11 +53,14 @@ class PlannerSettings:
     max_decode: int = 64
     cooldown_s: float = 60.0
     headroom: float = 0.5           # a pool under headroom × its SLO has room to give
+    calm_intervals: int = 3         # intervals in a row with room to give before a removal
     gpus_per_instance: int = 1
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
             raise ValueError("planner SLOs: ttft and tpot must be > 0")
+        if self.calm_intervals < 1:
+            raise ValueError(f"planner calm_intervals: {self.calm_intervals} is below 1")
         if not 0 < self.headroom < 1:
             raise ValueError(f"planner headroom: {self.headroom} is not in (0, 1)")
         if not (1 <= self.min_prefill <= self.max_prefill
@@ -93,11 +98,12 @@ class Planner:
     def __init__(self, settings: PlannerSettings) -> None:
         self.settings = settings
         self.changed_at = -math.inf
+        self.calm = 0           # intervals in a row with both pools well within their SLOs
 
     def decide(self, stats: IntervalStats, now: float) -> Decision:
         decision = self._decide(stats, now)
         if decision.action is not Action.HOLD:
-            self.changed_at = now
+            self.changed_at, self.calm = now, 0
         return decision
 
     def _decide(self, s: IntervalStats, now: float) -> Decision:
@@ -109,6 +115,7 @@ class Planner:
         if s.requests == 0 or math.isnan(s.ttft) or math.isnan(s.tpot):
             return hold("no finished requests this interval")
         ttft, tpot = s.ttft / cfg.ttft_s, s.tpot / cfg.tpot_s     # 1.0: exactly at the SLO
+        self.calm = self.calm + 1 if max(ttft, tpot) < cfg.headroom else 0
         figures = f"TTFT {s.ttft * 1e3:.0f} ms ({ttft:.2f}x SLO), TPOT {s.tpot * 1e3:.1f} ms " \
                   f"({tpot:.2f}x SLO), {s.num_prefill}P{s.num_decode}D"
         room = (s.num_prefill + s.num_decode + 1) * cfg.gpus_per_instance <= cfg.gpu_budget
@@ -119,8 +126,11 @@ class Planner:
         if ttft > 1 and tpot > 1:
             worse = "prefill" if ttft >= tpot else "decode"
             return self._grow(worse, s, room, False, figures)
-        if ttft < cfg.headroom and tpot < cfg.headroom:
+        if self.calm >= cfg.calm_intervals:
             return self._shrink(s, ttft, tpot, figures)
+        if self.calm:
+            return hold(f"well within the SLOs for {self.calm} of {cfg.calm_intervals} "
+                        f"intervals before a removal: {figures}")
         return hold(f"within the SLOs: {figures}")
 
     def _grow(self, role: str, s: IntervalStats, room: bool, other_has_headroom: bool,

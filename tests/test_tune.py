@@ -268,3 +268,28 @@ def test_a_tensor_parallel_profile_counts_its_gpus_per_instance(h100_profile: Pa
     assert AppConfig.from_args(args).tensor_parallel_size("decode") == 2
     assert "tensorParallelSize: 2" in (tmp_path / "out" / "helm-values.yaml").read_text()
     assert "TP2" in (tmp_path / "out" / "table.txt").read_text()
+
+
+def test_planner_replay_of_a_shifting_mix_beats_the_best_fixed_pools(h100_profile: Path,
+                                                                   tmp_path: Path, capsys):
+    """Decode-heavy then prompt-heavy at 30 req/s on 8 GPUs: the planner moves the pools
+    toward decode and then toward prefill, and its goodput per GPU beats every fixed P:D's
+    over the same trace (the best fixed one is its starting point)."""
+    assert main(["tune", "--profile", str(h100_profile), "-o", str(tmp_path), "--quiet",
+                 "--planner", "--rate", "30", "--gpus", "8", "--ttft-slo", "1s",
+                 "--tpot-slo", "25ms", "--phase", "128", "1024", "150s",
+                 "--phase", "3072", "16", "150s", "--interval", "15s"]) == 0
+    report = json.loads((tmp_path / "planner.json").read_text())
+    planner, fixed = report["planner"], report["best_fixed"]
+    assert planner["goodput_per_gpu"] > fixed["goodput_per_gpu"]
+    actions = [row["action"] for row in planner["intervals"]]
+    first, second = actions[:10], actions[10:]          # the two phases' intervals
+    assert not any(a in ("add_prefill", "flip_to_prefill") for a in first)
+    assert any(a in ("add_prefill", "flip_to_prefill") for a in second)
+    assert "goodput per GPU: planner" in capsys.readouterr().out
+
+
+def test_planner_replay_needs_a_rate_and_phases(h100_profile: Path, tmp_path: Path, capsys):
+    assert main(["tune", "--profile", str(h100_profile), "-o", str(tmp_path), "--planner",
+                 "--phase", "128", "512", "60s"]) == 2
+    assert "--planner: needs --rate" in capsys.readouterr().err

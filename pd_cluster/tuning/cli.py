@@ -9,6 +9,9 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
 
 from pd_cluster.tuning.profile import Profile
 from pd_cluster.tuning.search import Candidate
@@ -177,6 +180,13 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output-dir", default="pd-tune", help="folder for the table, chart, "
                    "config snippets and results.json")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--planner", action="store_true", help="replay a workload whose mix shifts "
+                   "(--phase ...) with the P:D planner and with the best fixed pools; needs "
+                   "a numeric --rate")
+    p.add_argument("--phase", nargs=3, action="append", metavar=("INPUT", "OUTPUT", "SECONDS"),
+                   help="with --planner: one phase of the shifting workload (lengths as "
+                   "--input-len / --output-len), repeated in order")
+    p.add_argument("--interval", default="15s", help="with --planner: between decisions")
     p.set_defaults(func=_tune)
 
 
@@ -205,6 +215,8 @@ def _tune(args: argparse.Namespace) -> int:
                               gpus_per_instance=profile.tensor_parallel_size)
     if profile.serving_overhead:
         print(profile.serving_overhead.describe())
+    if args.planner:
+        return _tune_planner(args, profile, limits, slo, settings)
     results = search(profile, limits, workload, slo, settings, progress=not args.quiet)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,6 +243,49 @@ def _tune(args: argparse.Namespace) -> int:
     print("\n".join(snippets.values()))
     print(f"wrote {out}/: table.txt, goodput_per_gpu.png, pd-args.yaml, helm-values.yaml, "
           "results.json")
+    return 0
+
+
+def _tune_planner(args: argparse.Namespace, profile: Profile, limits: Any, slo: SLO,
+                  settings: Any) -> int:
+    """`tune --planner`: the shifting workload replayed with the planner, against every fixed
+    P:D of the budget; prints both goodputs per GPU, writes planner.json."""
+    from pd_cluster.planner import PlannerSettings
+    from pd_cluster.tuning.replay import Phase, replay
+    from pd_cluster.tuning.search import candidates
+    from pd_cluster.tuning.slo import parse_duration
+
+    if settings.rate is None or not args.phase:
+        raise ValueError("--planner: needs --rate R (requests/s) and at least one "
+                         "--phase INPUT OUTPUT SECONDS")
+    phases = [Phase(Workload.from_args(None, i, o), parse_duration(s, "--phase seconds"))
+              for i, o, s in args.phase]
+    interval = parse_duration(args.interval, "--interval")
+    gpi = settings.gpus_per_instance
+    fixed = [replay(profile, limits, slo, phases, settings.rate, spec, interval, None,
+                    settings.burstiness, settings.seed)
+             for spec in tqdm(candidates(settings.gpu_budget, False, gpi), desc="fixed pools",
+                              disable=args.quiet)]
+    best = max(fixed, key=lambda r: r.goodput_per_gpu)
+    # The planner starts from the best fixed pools: what it gains is its own doing.
+    planned = replay(profile, limits, slo, phases, settings.rate, best.start, interval,
+                     PlannerSettings(slo.ttft, slo.tpot, settings.gpu_budget,
+                                     cooldown_s=interval, gpus_per_instance=gpi),
+                     settings.burstiness, settings.seed)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "planner.json").write_text(json.dumps(
+        {"slo": asdict(slo), "rate": settings.rate, "phases": args.phase,
+         "interval_s": interval, "best_fixed": best.summary(),
+         "planner": planned.summary()}, indent=1) + "\n")
+    for row in planned.intervals:
+        print(f"{row['start_s']:7.0f} s  {row['pools']:>10}  met {row['met']:4d}/"
+              f"{row['requests']:<4d} {row['action']:>15}  {row['reason']}")
+    print(f"\ngoodput per GPU: planner {planned.goodput_per_gpu:.3g} req/s "
+          f"({planned.met}/{planned.requests} met, {planned.summary()['mean_gpus']:.2f} GPUs "
+          f"on average); best fixed pools {best.start}: "
+          f"{best.goodput_per_gpu:.3g} req/s ({best.met}/{best.requests} met)")
+    print(f"wrote {out}/planner.json")
     return 0
 
 
