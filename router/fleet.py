@@ -20,8 +20,8 @@ A slot is a (role, replica id); its states are ReplicaState's (router/membership
     restart    (supervised) a DEAD slot gets a new actor (PENDING) after a backoff that
                doubles with each death soon after a start, RESTART_BACKOFF_S to
                MAX_BACKOFF_S; a replica that served STABLE_AFTER_S starts over at the base
-    drain      DRAINING: routers stop sending it requests; once it runs nothing (or at the
-               timeout) it is killed → RETIRED, and never restarted
+    drain      DRAINING: routers stop sending it requests; once it runs and holds nothing
+               (or at the timeout) it is killed → RETIRED, and never restarted
 Every change of a slot's state or actor bumps the version and wakes `membership` long polls.
 """
 from __future__ import annotations
@@ -51,6 +51,8 @@ HEALTH_FAILURES = 3
 RESTART_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
 STABLE_AFTER_S = 60.0
+DRAIN_GRACE_S = 2.0           # routers see a membership change within a long poll's wake-up
+DRAIN_POLL_S = 0.25
 
 
 @dataclass(eq=False)
@@ -205,17 +207,23 @@ class EngineFleet:
         self.started = True
 
     async def drain(self, role: str, replica_id: int, timeout_s: float = 600.0) -> Membership:
-        """Stop routing to a replica, wait until it runs nothing (at most `timeout_s`), stop
-        it: RETIRED."""
+        """Stop routing to a replica, wait until it runs and holds nothing (at most
+        `timeout_s`), stop it: RETIRED. Idleness counts only after DRAIN_GRACE_S, once every
+        router has seen DRAINING (a request routed just before may not have arrived yet);
+        held KV blocks count as work (a prefill whose KV is still on its way to D, a
+        reservation on D)."""
         slot = self.slots[(role, replica_id)]
         if slot.state is ReplicaState.READY:
             self._set(slot, ReplicaState.DRAINING, "draining: no new requests")
-        deadline = time.monotonic() + timeout_s
-        while slot.state is ReplicaState.DRAINING and time.monotonic() < deadline:
-            load = slot.load
-            if load is not None and load.num_running == load.num_waiting == 0:
+        began = time.monotonic()
+        while slot.state is ReplicaState.DRAINING and time.monotonic() - began < timeout_s:
+            try:
+                load = await asyncio.wait_for(slot.actor.load.remote(), HEALTH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - dead or unresponsive: nothing left to wait for
                 break
-            await asyncio.sleep(HEALTH_PERIOD_S)
+            if time.monotonic() - began >= DRAIN_GRACE_S and _idle(load):
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
         self._kill(slot)
         if slot.state is not ReplicaState.RETIRED:
             self._set(slot, ReplicaState.RETIRED, "drained and stopped")
@@ -369,6 +377,10 @@ class EngineFleet:
                 ray.kill(slot.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+
+
+def _idle(load: ReplicaLoad) -> bool:
+    return load.num_running == load.num_waiting == load.kv_blocks_used == 0
 
 
 def _not_ready(fleet: EngineFleet) -> str:

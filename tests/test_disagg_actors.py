@@ -269,3 +269,33 @@ def test_unclaimed_reservation_expires(tiny):
         wait_all_free(client, 1 + QUARANTINE_S + 5)   # lease, then quarantine: no P says DRAINED
     finally:
         shutdown(client)
+
+
+def test_draining_a_prefill_replica_mid_prefill_fails_no_request(tiny):
+    """Drain P1 while it prefills (chunked, 16 tokens a step): its prefills finish and their
+    KV reaches D, nothing fails or falls back, and only then is P1 stopped and RETIRED."""
+    prompts = [list(range(5, 5 + 150 + 7 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(tiny).generate(prompts, params)]
+    client = start(tiny, "nixl", num_p=2, max_num_batched_tokens=16)
+    p1 = client.prefill[1]
+    try:
+        async def go():
+            streams = [asyncio.ensure_future(collect(client, f"dr{i}", p, params,
+                                                     Route(0, i % 2)))
+                       for i, p in enumerate(prompts)]
+            await wait_until_async(lambda: _prefilling(p1), 60, 0.02)
+            membership = await client.fleet.drain("prefill", 1, 60)
+            return await asyncio.gather(*streams), membership
+        outs, membership = asyncio.run(go())
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert prefilled_tokens(load_of(client.decode[0])) == 0    # no fallback to D
+        states = {(m.role, m.replica_id): str(m.state) for m in membership.members}
+        assert states[("prefill", 1)] == "retired" and states[("prefill", 0)] == "ready"
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(p1.load.remote(), timeout=30)
+        client.update(membership)
+        assert ("prefill", 1) not in client.available()
+        wait_all_free(client, DRAINED_WITHIN_S)
+    finally:
+        shutdown(client)
