@@ -9,7 +9,9 @@ pool sizes, and returns one Decision (an Action and why):
     TPOT over its SLO, TTFT within     → more decode: the mirror image
     both over                          → add to the pool further over its SLO, if room
     both well within (under `headroom` × SLO) for `calm_intervals` intervals in a row
-                                       → REMOVE the pool with more slack (down to its min)
+                                       → REMOVE the pool with more slack (down to its min),
+                                          unless `predict` (from a profile) says the smaller
+                                          pools would miss an SLO on this interval's load
     otherwise, or within `cooldown_s` of the last change, or no requests → HOLD
 
 One change per decision, then a cooldown: a new engine takes a while to load and the next
@@ -24,7 +26,12 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+
+# (prefill count, decode count) -> predicted (TTFT, TPOT) at the SLO percentile, seconds, of
+# the last interval's requests on those pools (the tune replay simulates them from a profile).
+Predict = Callable[[int, int], tuple[float, float]]
 
 
 class Action(str, enum.Enum):
@@ -93,10 +100,10 @@ class Decision:
 
 class Planner:
     """Decides one change per interval; `decide(stats, now)` with `now` in seconds (any
-    monotonic clock; the replay's simulated one)."""
+    monotonic clock; the replay's simulated one). `predict`, when given, vets removals."""
 
-    def __init__(self, settings: PlannerSettings) -> None:
-        self.settings = settings
+    def __init__(self, settings: PlannerSettings, predict: Predict | None = None) -> None:
+        self.settings, self.predict = settings, predict
         self.changed_at = -math.inf
         self.calm = 0           # intervals in a row with both pools well within their SLOs
 
@@ -151,10 +158,19 @@ class Planner:
 
     def _shrink(self, s: IntervalStats, ttft: float, tpot: float, figures: str) -> Decision:
         cfg = self.settings
-        # The pool with more slack gives one back, if it may.
+        vetoed = []
+        # The pool with more slack gives one back, if it may (and the prediction agrees).
         for role in (("prefill", "decode") if ttft <= tpot else ("decode", "prefill")):
-            if getattr(s, f"num_{role}") > getattr(cfg, f"min_{role}"):
-                return Decision(Action(f"remove_{role}"),
-                                f"both well within the SLOs: {figures}", s)
-        return Decision(Action.HOLD, f"well within the SLOs, pools at their minimum: {figures}",
-                        s)
+            if getattr(s, f"num_{role}") <= getattr(cfg, f"min_{role}"):
+                continue
+            p, d = s.num_prefill - (role == "prefill"), s.num_decode - (role == "decode")
+            if self.predict is not None:
+                t, o = self.predict(p, d)
+                if t > cfg.ttft_s or o > cfg.tpot_s:
+                    vetoed.append(f"{p}P{d}D would miss (predicted TTFT {t * 1e3:.0f} ms, "
+                                  f"TPOT {o * 1e3:.1f} ms)")
+                    continue
+            return Decision(Action(f"remove_{role}"),
+                            f"both well within the SLOs: {figures}", s)
+        why = "; ".join(vetoed) if vetoed else "pools at their minimum"
+        return Decision(Action.HOLD, f"well within the SLOs, but {why}: {figures}", s)

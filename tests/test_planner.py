@@ -87,3 +87,19 @@ def test_every_decision_says_why_with_its_figures():
 def test_impossible_settings_are_refused_naming_them(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         PlannerSettings(**{**SLO, **kw})
+
+
+def test_a_prediction_that_the_smaller_pools_would_miss_vetoes_the_removal():
+    asked = []
+
+    def predict(num_p: int, num_d: int) -> tuple[float, float]:
+        asked.append((num_p, num_d))
+        return (2.0, 0.01) if num_p < 2 else (0.3, 0.01)    # one P fewer: TTFT misses
+    planner = Planner(PlannerSettings(**SLO, gpu_budget=8, calm_intervals=1), predict)
+    quiet = IntervalStats(2, 3, 0.1, 0.02, 50)
+    d = planner.decide(quiet, now=0)
+    assert d.action is Action.REMOVE_DECODE and asked == [(1, 3), (2, 2)]
+    assert "would miss" not in d.reason
+    veto = Planner(PlannerSettings(**SLO, gpu_budget=8, calm_intervals=1),
+                   lambda p, d: (2.0, 0.01)).decide(quiet, now=0)
+    assert veto.action is Action.HOLD and "1P3D would miss (predicted TTFT 2000 ms" in veto.reason

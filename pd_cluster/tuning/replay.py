@@ -8,7 +8,9 @@ planner (pd_cluster/planner.py) reads the interval's TTFT and TPOT at the SLO pe
 changes the pools for the next one. A flip or an added engine counts from the next interval:
 engines do not load in the replay, and queues do not carry over between intervals (each
 interval starts empty), which flatters both runs alike; the comparison, not the absolute
-figure, is the point.
+figure, is the point. The planner predicts with the profile: before removing an engine it
+simulates the interval it just saw on the smaller pools, and keeps the engine if they would
+miss an SLO.
 
 Goodput per GPU = requests that met both SLOs / the trace's seconds / the mean GPUs held.
 """
@@ -77,13 +79,22 @@ def replay(profile: Profile, limits: EngineLimits, slo: SLO, phases: list[Phase]
     """Run the trace interval by interval; with `settings`, the planner changes the pools."""
     arrivals, lengths = trace(phases, rate, burstiness, seed)
     total = sum(p.seconds for p in phases)
-    planner = Planner(settings) if settings is not None else None
+    current: dict = {}          # the interval being decided on: its arrivals and lengths
+
+    def predict(num_prefill: int, num_decode: int) -> tuple[float, float]:
+        stats, _ = _run_interval(profile, limits, slo,
+                                 ClusterSpec(num_prefill, num_decode, start.gpus_per_instance),
+                                 current["arrivals"], current["lengths"], rate)
+        return stats.ttft, stats.tpot
+
+    planner = Planner(settings, predict) if settings is not None else None
     spec, out = start, Replay(planner is not None, start)
     for k in range(math.ceil(total / interval_s)):
         lo, hi = k * interval_s, min(total, (k + 1) * interval_s)
         idx = np.flatnonzero((arrivals >= lo) & (arrivals < hi))
-        stats, met = _run_interval(profile, limits, slo, spec, arrivals[idx] - lo,
-                                   [lengths[i] for i in idx], rate)
+        current.update(arrivals=arrivals[idx] - lo, lengths=[lengths[i] for i in idx])
+        stats, met = _run_interval(profile, limits, slo, spec, current["arrivals"],
+                                   current["lengths"], rate)
         out.met, out.requests = out.met + met, out.requests + len(idx)
         out.gpu_seconds += spec.num_gpus * (hi - lo)
         row = {"start_s": lo, "pools": str(spec), "gpus": spec.num_gpus,
