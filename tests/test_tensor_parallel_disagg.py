@@ -19,7 +19,8 @@ from router.app_config import AppConfig  # noqa: E402
 from router.routing import Route  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+# Each case starts 3-5 engine processes on the CPU: out of the quick run (-m "not slow").
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [list(range(5, 70)), [7, 8, 9], list(range(5, 40)) + [1, 2]]
 OPTIONS = {"prefill": {"num_cpus": 0}, "decode": {"num_cpus": 0}}
