@@ -151,10 +151,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ongoing = (config.num_decode * config.engine.max_num_seqs + config.limits.max_queue
                + SPARE_ONGOING_REQUESTS)
     scaling = config.router_deployment_options()
-    routers = scaling.get("num_replicas") or scaling["autoscaling_config"]["max_replicas"]
     deployment = OpenAIRouter.options(
         max_ongoing_requests=ongoing, **scaling,
-        ray_actor_options={"num_cpus": router_cpus(config, routers, resources, actor_options)})
+        ray_actor_options={"num_cpus": router_cpus(config, config.router_max_replicas, resources,
+                                                       actor_options)})
     return deployment.bind(dict(args or {}), controller)
 
 

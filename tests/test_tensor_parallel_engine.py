@@ -47,7 +47,7 @@ def test_a_dead_rank_fails_the_next_step_instead_of_hanging(tiny_model_root):
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         began = time.monotonic()
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError):    # the broken collective (gloo: peer closed)
             llm.generate([[1, 2, 3, 4, 5]], GREEDY)
         assert time.monotonic() - began < 60
         assert llm.engine.runner.workers.dead() == [1]
