@@ -8,8 +8,10 @@ declared once, with its type, bounds, default and description, in the pydantic m
 refused with a `ValueError` that names the field (`limits.max_queue: ...`,
 `engine.block_size: ...`). Then `replica_actor_options(config, role, ray.cluster_resources())`
 gives each engine replica its Ray actor options, and `config.router_deployment_options()` the
-router deployment's replica count or Serve autoscaling. This module imports neither Ray nor
-torch, so it is cheap to test.
+router deployment's replica count or Serve autoscaling. `planner:` configures the elastic P:D
+planner: `config.planner_settings()` is its policy's PlannerSettings, and `most_replicas(role)`
+/ `most_engine_replicas()` how many engine replicas may exist at once, planner or not. This
+module imports neither Ray nor torch, so it is cheap to test.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pydantic import (BaseModel, Discriminator, Field, Tag, ValidationInfo, fiel
 
 from pd_cluster.config import STRICT_MODEL_CONFIG, EngineConfig
 from pd_cluster.config_errors import validate_config
+from pd_cluster.planner import PlannerSettings
 
 RoutingPolicy = Literal["kv_aware", "round_robin"]
 # The router's policy registry must know every name listed here.
@@ -138,6 +141,44 @@ class RouterAutoscaling(BaseModel):
         return value
 
 
+class PlannerConfig(BaseModel):
+    """The elastic P:D planner (pd_cluster/planner.py): every `interval_s` the engine controller
+    measures TTFT and TPOT at `percentile` and adds, removes or flips one engine replica so
+    that both meet their SLOs within `gpu_budget`. GPUs count replicas x tensor-parallel size.
+    """
+
+    model_config = STRICT_MODEL_CONFIG
+
+    enabled: bool = Field(False, description=(
+        "let the planner resize the prefill and decode pools; false: num_prefill and "
+        "num_decode stay as written"))
+    ttft_ms: float = Field(1000.0, gt=0, description="TTFT SLO (ms) at the percentile")
+    tpot_ms: float = Field(50.0, gt=0, description=(
+        "TPOT SLO (ms) at the percentile: mean time per output token after the first"))
+    percentile: float = Field(90.0, gt=0, le=100, description=(
+        "percentile of the interval's requests the SLOs hold for"))
+    gpu_budget: int | None = Field(None, ge=1, description=(
+        "GPUs the two pools may use together (replicas x tensor_parallel_size); null: what "
+        "num_prefill and num_decode start with"))
+    min_prefill: int = Field(1, ge=1, description="fewest prefill replicas")
+    max_prefill: int = Field(8, ge=1, description="most prefill replicas")
+    min_decode: int = Field(1, ge=1, description="fewest decode replicas")
+    max_decode: int = Field(8, ge=1, description="most decode replicas")
+    interval_s: float = Field(30.0, gt=0, description=(
+        "seconds between two decisions (the interval measured)"))
+    cooldown_s: float = Field(120.0, ge=0, description=(
+        "seconds after a change before the next one (a new engine loads, its effect shows)"))
+    calm_intervals: int = Field(3, ge=1, description=(
+        "intervals in a row well within both SLOs before a replica is removed"))
+    headroom: float = Field(0.5, gt=0, lt=1, description=(
+        "a pool under headroom x its SLO has room to give (a removal, a flip)"))
+    drain_timeout_s: float = Field(600.0, gt=0, description=(
+        "longest wait for a removed or flipped replica to finish its requests"))
+    profile: str | None = Field(None, min_length=1, description=(
+        "a `pd-cluster profile` JSON file (path on the controller's node): removals are "
+        "vetted by predicting the smaller pools on the interval's load; null: not vetted"))
+
+
 class AppConfig(BaseModel):
     """The application's `args`, validated. Defaults run on a laptop's CPU with the bundled model."""
 
@@ -179,6 +220,9 @@ class AppConfig(BaseModel):
     router_autoscaling: RouterAutoscaling | None = Field(None, description=(
         "Serve autoscaling of the router deployment instead of router_replicas; null: a fixed "
         "count"))
+    planner: PlannerConfig = Field(default_factory=PlannerConfig, description=(
+        "the elastic P:D planner, which resizes and flips the pools to meet TTFT / TPOT SLOs "
+        "within a GPU budget (off by default)"))
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> AppConfig:
@@ -221,7 +265,38 @@ class AppConfig(BaseModel):
             value = getattr(self.limits, name)
             if longest is not None and value is not None and value > longest:
                 raise ValueError(f"limits.{name}: {value} exceeds engine.max_model_len {longest}")
+        if self.planner.enabled:
+            self._check_planner()
         return self
+
+    def _check_planner(self) -> None:
+        planner = self.planner
+        if self.mode == "colocated":
+            raise ValueError("planner: needs disaggregated or pooled mode (mode is colocated: "
+                             "no prefill pool to resize)")
+        tps = {role: self.tensor_parallel_size(role) for role in ROLES}
+        if tps["prefill"] != tps["decode"]:
+            raise ValueError(
+                f"planner: needs one tensor-parallel size for both roles (a flip keeps the "
+                f"engine's weights, sharded one way); {self._tp_field('prefill')} is "
+                f"{tps['prefill']}, {self._tp_field('decode')} {tps['decode']}")
+        for role in ROLES:
+            least, most = getattr(planner, f"min_{role}"), getattr(planner, f"max_{role}")
+            if most < least:
+                raise ValueError(f"planner.max_{role}: {most} is below planner.min_{role} "
+                                 f"{least}")
+        for role in ROLES:
+            least, most = getattr(planner, f"min_{role}"), getattr(planner, f"max_{role}")
+            count = getattr(self, f"num_{role}")
+            if not least <= count <= most:
+                raise ValueError(f"num_{role}: {count} is outside planner.min_{role}.."
+                                 f"max_{role} ({least}..{most})")
+        start = self._starting_gpus()
+        if planner.gpu_budget is not None and planner.gpu_budget < start:
+            raise ValueError(
+                f"planner.gpu_budget: {planner.gpu_budget} is below the {start} GPUs the pools "
+                f"start with ({self.num_prefill} prefill + {self.num_decode} decode replicas "
+                f"x tensor-parallel size {tps['decode']})")
 
     def tensor_parallel_size(self, role: str) -> int:
         """Tensor-parallel ranks (GPUs) of each `role` replica."""
@@ -244,6 +319,52 @@ class AppConfig(BaseModel):
         """The most router replicas this config can run (autoscaling's max_replicas)."""
         scaling = self.router_autoscaling
         return self.router_replicas if scaling is None else scaling.max_replicas
+
+    def _starting_gpus(self) -> int:
+        return sum(getattr(self, f"num_{role}") * self.tensor_parallel_size(role)
+                   for role in ROLES)
+
+    def planner_gpu_budget(self) -> int:
+        """GPUs the two pools may use together: planner.gpu_budget, or (null) what num_prefill
+        and num_decode start with (replicas x tensor-parallel size)."""
+        budget = self.planner.gpu_budget
+        return self._starting_gpus() if budget is None else budget
+
+    def _budget_replicas(self) -> int:
+        # With the planner on, both roles have one tensor-parallel size (checked above).
+        return self.planner_gpu_budget() // self.tensor_parallel_size("decode")
+
+    def most_replicas(self, role: str) -> int:
+        """The most `role` replicas that can exist at once: num_prefill / num_decode, or with
+        the planner on, as many as it may grow the pool to: max_<role>, and no more than the
+        budget leaves once the other pool is at its minimum."""
+        if role not in ROLES:
+            raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
+        if not self.planner.enabled:
+            return getattr(self, f"num_{role}")
+        other = "decode" if role == "prefill" else "prefill"
+        return min(getattr(self.planner, f"max_{role}"),
+                   self._budget_replicas() - getattr(self.planner, f"min_{other}"))
+
+    def most_engine_replicas(self) -> int:
+        """The most engine replicas (both roles) that can exist at once: num_prefill +
+        num_decode, or with the planner on, as many as the GPU budget holds."""
+        if not self.planner.enabled:
+            return self.num_prefill + self.num_decode
+        return self._budget_replicas()
+
+    def planner_settings(self) -> PlannerSettings:
+        """The planner's policy settings (pd_cluster.planner.PlannerSettings) of this config:
+        SLOs in seconds, the resolved GPU budget, GPUs per instance = the tensor-parallel
+        size. For a config with the planner enabled (whose checks it then passed)."""
+        p = self.planner
+        return PlannerSettings(
+            ttft_s=p.ttft_ms / 1000, tpot_s=p.tpot_ms / 1000,
+            gpu_budget=self.planner_gpu_budget(),
+            min_prefill=p.min_prefill, max_prefill=p.max_prefill,
+            min_decode=p.min_decode, max_decode=p.max_decode,
+            cooldown_s=p.cooldown_s, headroom=p.headroom, calm_intervals=p.calm_intervals,
+            gpus_per_instance=self.tensor_parallel_size("decode"))
 
     def router_deployment_options(self) -> dict[str, Any]:
         """Ray Serve `.options(...)` kwargs of the router deployment: `num_replicas`, or
@@ -284,7 +405,8 @@ def replica_actor_options(config: AppConfig, role: str,
 def _cpu_share(config: AppConfig, cpus: float) -> float:
     """CPUs for each engine replica on a GPU-less cluster, at most one. The engines share what
     the router replicas leave (one CPU each, router.app's router_cpus; autoscaling's
-    max_replicas of them), but at least one CPU, or half of a smaller machine."""
+    max_replicas of them), but at least one CPU, or half of a smaller machine. Shared among
+    the most engine replicas that can exist at once: those the planner may add must fit too."""
     spare = max(cpus - config.router_max_replicas, min(1.0, cpus / 2))
-    share = math.floor(100 * spare / (config.num_prefill + config.num_decode)) / 100
+    share = math.floor(100 * spare / config.most_engine_replicas()) / 100
     return min(1.0, max(MIN_CPU_SHARE, share))

@@ -125,6 +125,42 @@ def test_colocated_mode_defaults_to_no_prefill_replicas():
      "router_autoscaling: unknown key(s) metrics_interval_s; known keys: min_replicas"),
     ({"router_replicas": 3, "router_autoscaling": {"max_replicas": 4}},
      "router_replicas: 3 with router_autoscaling set; leave router_replicas at 1"),
+    ({"planner": {"enabled": "yes"}}, "planner.enabled:"),
+    ({"planner": {"ttft_ms": 0}}, "planner.ttft_ms:"),
+    ({"planner": {"tpot_ms": -5}}, "planner.tpot_ms:"),
+    ({"planner": {"percentile": 0}}, "planner.percentile:"),
+    ({"planner": {"percentile": 100.5}}, "planner.percentile:"),
+    ({"planner": {"gpu_budget": 0}}, "planner.gpu_budget:"),
+    ({"planner": {"gpu_budget": "4"}}, "planner.gpu_budget:"),
+    ({"planner": {"min_prefill": 0}}, "planner.min_prefill:"),
+    ({"planner": {"min_decode": 0}}, "planner.min_decode:"),
+    ({"planner": {"interval_s": 0}}, "planner.interval_s:"),
+    ({"planner": {"cooldown_s": -1}}, "planner.cooldown_s:"),
+    ({"planner": {"calm_intervals": 0}}, "planner.calm_intervals:"),
+    ({"planner": {"headroom": 1}}, "planner.headroom:"),
+    ({"planner": {"headroom": 0}}, "planner.headroom:"),
+    ({"planner": {"drain_timeout_s": 0}}, "planner.drain_timeout_s:"),
+    ({"planner": {"profile": ""}}, "planner.profile:"),
+    ({"planner": {"interval": 30}}, "planner: unknown key(s) interval; known keys: enabled, "),
+    ({"mode": "colocated", "planner": {"enabled": True}},
+     "planner: needs disaggregated or pooled mode (mode is colocated"),
+    ({"prefill_tensor_parallel_size": 2, "planner": {"enabled": True}},
+     "planner: needs one tensor-parallel size for both roles (a flip keeps the engine's "
+     "weights, sharded one way); prefill_tensor_parallel_size is 2, "
+     "engine.tensor_parallel_size 1"),
+    ({"planner": {"enabled": True, "min_prefill": 3, "max_prefill": 2}},
+     "planner.max_prefill: 2 is below planner.min_prefill 3"),
+    ({"num_decode": 2, "planner": {"enabled": True, "min_decode": 3, "max_decode": 2}},
+     "planner.max_decode: 2 is below planner.min_decode 3"),
+    ({"num_prefill": 3, "planner": {"enabled": True, "max_prefill": 2}},
+     "num_prefill: 3 is outside planner.min_prefill..max_prefill (1..2)"),
+    ({"num_decode": 1, "planner": {"enabled": True, "min_decode": 2}},
+     "num_decode: 1 is outside planner.min_decode..max_decode (2..8)"),
+    ({"num_prefill": 2, "num_decode": 2, "planner": {"enabled": True, "gpu_budget": 3}},
+     "planner.gpu_budget: 3 is below the 4 GPUs the pools start with (2 prefill + 2 decode "
+     "replicas x tensor-parallel size 1)"),
+    ({"engine": {"tensor_parallel_size": 2}, "planner": {"enabled": True, "gpu_budget": 3}},
+     "planner.gpu_budget: 3 is below the 4 GPUs the pools start with"),
 ])
 def test_bad_args_raise_value_error_naming_the_field(args, field):
     with pytest.raises(ValueError, match="^" + re.escape(field)):
@@ -251,3 +287,78 @@ def test_explicit_resources_are_used_as_written_whatever_the_cluster():
 def test_unknown_role_is_refused():
     with pytest.raises(ValueError, match="role:"):
         replica_actor_options(AppConfig.from_args({}), "router", LAPTOP)
+
+
+# -- the P:D planner -------------------------------------------------------------------------
+
+def test_planner_is_off_by_default_and_its_rules_only_apply_when_on():
+    config = AppConfig.from_args({})
+    assert not config.planner.enabled
+    assert (config.planner.ttft_ms, config.planner.tpot_ms, config.planner.percentile) == \
+        (1000, 50, 90)
+    assert config.planner.gpu_budget is None and config.planner.profile is None
+    # Off: colocated mode, pools outside min..max and a small budget are all fine.
+    AppConfig.from_args({"mode": "colocated", "num_decode": 12,
+                         "planner": {"max_decode": 2, "gpu_budget": 1}})
+
+
+def test_without_the_planner_the_pools_are_their_written_sizes():
+    config = AppConfig.from_args({"num_prefill": 2, "num_decode": 3,
+                                  "planner": {"gpu_budget": 64}})
+    assert (config.most_replicas("prefill"), config.most_replicas("decode")) == (2, 3)
+    assert config.most_engine_replicas() == 5
+    assert config.planner_gpu_budget() == 64           # written, though unused while off
+    colocated = AppConfig.from_args({"mode": "colocated", "num_decode": 4})
+    assert (colocated.most_replicas("prefill"), colocated.most_engine_replicas()) == (0, 4)
+
+
+def test_the_planners_budget_defaults_to_the_starting_gpus():
+    config = AppConfig.from_args({"num_prefill": 2, "num_decode": 3,
+                                  "planner": {"enabled": True}})
+    assert config.planner_gpu_budget() == 5
+    # min(max_prefill, budget replicas - min_decode) and the mirror image
+    assert (config.most_replicas("prefill"), config.most_replicas("decode")) == (4, 4)
+    assert config.most_engine_replicas() == 5
+    tp = AppConfig.from_args({"num_prefill": 2, "num_decode": 2, "engine":
+                              {"tensor_parallel_size": 2}, "planner": {"enabled": True}})
+    assert tp.planner_gpu_budget() == 8 and tp.most_engine_replicas() == 4
+
+
+def test_the_planner_reaches_max_or_what_the_budget_leaves_the_other_pools_minimum():
+    config = AppConfig.from_args({
+        "num_prefill": 2, "num_decode": 2, "prefill_tensor_parallel_size": 2,
+        "decode_tensor_parallel_size": 2,
+        "planner": {"enabled": True, "gpu_budget": 17, "min_prefill": 2, "max_prefill": 3,
+                    "min_decode": 1, "max_decode": 8}})
+    assert config.planner_gpu_budget() == 17
+    assert config.most_engine_replicas() == 8         # 17 GPUs hold 8 replicas of 2
+    assert config.most_replicas("prefill") == 3       # max_prefill
+    assert config.most_replicas("decode") == 6        # 8 - min_prefill 2
+    with pytest.raises(ValueError, match="role:"):
+        config.most_replicas("router")
+
+
+def test_planner_settings_are_the_policys_in_seconds_and_gpus():
+    from pd_cluster.planner import PlannerSettings
+
+    config = AppConfig.from_args({
+        "num_prefill": 2, "num_decode": 2, "engine": {"tensor_parallel_size": 2},
+        "planner": {"enabled": True, "ttft_ms": 250, "tpot_ms": 20, "gpu_budget": 12,
+                    "min_prefill": 2, "max_prefill": 4, "min_decode": 1, "max_decode": 5,
+                    "cooldown_s": 30, "headroom": 0.3, "calm_intervals": 4}})
+    assert config.planner_settings() == PlannerSettings(
+        ttft_s=0.25, tpot_s=0.02, gpu_budget=12, min_prefill=2, max_prefill=4, min_decode=1,
+        max_decode=5, cooldown_s=30.0, headroom=0.3, calm_intervals=4, gpus_per_instance=2)
+    default = AppConfig.from_args({"planner": {"enabled": True}}).planner_settings()
+    assert (default.ttft_s, default.tpot_s, default.gpu_budget, default.cooldown_s) == \
+        (1.0, 0.05, 2, 120.0)
+
+
+def test_auto_cpu_replicas_leave_room_for_the_engines_the_planner_may_add():
+    fixed = AppConfig.from_args({"num_prefill": 1, "num_decode": 1})
+    assert replica_actor_options(fixed, "decode", {"CPU": 5.0})["num_cpus"] == 1.0
+    planned = AppConfig.from_args({"num_prefill": 1, "num_decode": 1,
+                                   "planner": {"enabled": True, "gpu_budget": 8}})
+    assert planned.most_engine_replicas() == 8
+    assert replica_actor_options(planned, "decode", {"CPU": 5.0})["num_cpus"] == 0.5
+    assert replica_actor_options(planned, "prefill", {"CPU": 9.0})["num_cpus"] == 1.0

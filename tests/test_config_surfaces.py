@@ -265,6 +265,11 @@ def test_every_value_reaches_the_arg_of_the_same_path(tmp_path):
               "router": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5,
                                          "initialReplicas": 3, "targetOngoingRequests": 16,
                                          "upscaleDelayS": 5, "downscaleDelayS": 120.5}},
+              "planner": {"enabled": True, "ttftMs": 250, "tpotMs": 20.5, "percentile": 99,
+                          "gpuBudget": 6, "minPrefill": 1, "maxPrefill": 4, "minDecode": 1,
+                          "maxDecode": 5, "intervalS": 10, "cooldownS": 45,
+                          "calmIntervals": 2, "headroom": 0.25, "drainTimeoutS": 90,
+                          "profile": "/opt/profiles/h100.json"},
               "conditionalDisaggThreshold": 100, "prefillFailurePolicy": "fail"}
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
     config = AppConfig.from_args(rendered_args("-f", str(tmp_path / "values.yaml")))
@@ -276,7 +281,13 @@ def test_every_value_reaches_the_arg_of_the_same_path(tmp_path):
             continue
         assert lookup(config, path) == value, ".".join(path)
         reached.add(path)
-    assert {p for p in EXPOSED if p[0] == "router_autoscaling"} <= reached
+    assert {p for p in EXPOSED if p[0] in ("router_autoscaling", "planner")} <= reached
+
+
+def test_the_charts_planner_values_default_to_the_trees_defaults_once_enabled():
+    config = AppConfig.from_args(rendered_args("--set", "planner.enabled=true")).planner
+    assert config.enabled
+    assert config.model_copy(update={"enabled": False}) == type(config)()
 
 
 def test_the_charts_router_values_default_to_the_trees_defaults():

@@ -67,7 +67,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- range $key := list "mode" "transport" "conditionalDisaggThreshold" "prefillFailurePolicy" -}}
 {{- if hasKey $v $key }}{{ $_ := set $args (snakecase $key) (index $v $key) }}{{ end -}}
 {{- end -}}
-{{- range $key := list "engine" "limits" "routing" -}}
+{{- range $key := list "engine" "limits" "routing" "planner" -}}
 {{- $_ := set $args $key (include "pd-cluster.snakeKeys" (index $v $key) | fromYaml) -}}
 {{- end -}}
 {{- if ne $v.mode "colocated" -}}
@@ -104,6 +104,67 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $args "router_replicas" (int $v.router.replicas) -}}
 {{- end -}}
 {{- toYaml $args -}}
+{{- end -}}
+
+{{/* The P:D planner's reach, JSON: per role, the fewest and the most replicas it may run,
+     {"prefill": {"least": n, "most": n}, "decode": {...}} (AppConfig.most_replicas: max_<role>,
+     and no more than the GPU budget leaves once the other role is at its minimum); {} when
+     the planner is off. AppConfig checks the same rules when the application starts; they
+     are checked here too so that `helm install` fails, not the deployment. */}}
+{{- define "pd-cluster.plannerReach" -}}
+{{- $v := .Values -}}
+{{- $p := $v.planner -}}
+{{- if not $p.enabled -}}
+{}
+{{- else -}}
+{{- if eq $v.mode "colocated" -}}
+{{- fail "planner.enabled needs mode disaggregated or pooled (colocated has no prefill pool to resize)" -}}
+{{- end -}}
+{{- $tps := dict -}}
+{{- $whats := dict -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $pool := index $v $role -}}
+{{- $_ := set $tps $role (int ($v.engine.tensorParallelSize | default 1)) -}}
+{{- $_ := set $whats $role "engine.tensorParallelSize" -}}
+{{- if $pool.tensorParallelSize -}}
+{{- $_ := set $tps $role (int $pool.tensorParallelSize) -}}
+{{- $_ := set $whats $role (printf "%s.tensorParallelSize" $role) -}}
+{{- end -}}
+{{- end -}}
+{{- if ne $tps.prefill $tps.decode -}}
+{{- fail (printf "planner.enabled needs one tensor-parallel size for both roles (a flip keeps the engine's weights, sharded one way): %s is %d, %s %d" $whats.prefill $tps.prefill $whats.decode $tps.decode) -}}
+{{- end -}}
+{{- $tp := $tps.decode -}}
+{{- $keys := dict "prefill" "Prefill" "decode" "Decode" -}}
+{{- $start := 0 -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $least := int (index $p (printf "min%s" (index $keys $role))) -}}
+{{- $most := int (index $p (printf "max%s" (index $keys $role))) -}}
+{{- $count := int (index $v $role).replicas -}}
+{{- if lt $most $least -}}
+{{- fail (printf "planner.max%s (%d) is below planner.min%s (%d)" (index $keys $role) $most (index $keys $role) $least) -}}
+{{- end -}}
+{{- if or (lt $count $least) (gt $count $most) -}}
+{{- fail (printf "%s.replicas (%d) is outside planner.min%s..max%s (%d..%d)" $role $count (index $keys $role) (index $keys $role) $least $most) -}}
+{{- end -}}
+{{- $start = add $start (mul $count $tp) -}}
+{{- end -}}
+{{- $budget := $start -}}
+{{- if not (kindIs "invalid" $p.gpuBudget) -}}
+{{- $budget = int $p.gpuBudget -}}
+{{- if lt $budget $start -}}
+{{- fail (printf "planner.gpuBudget (%d) is below the %d GPUs the pools start with (prefill.replicas %d + decode.replicas %d, x tensor-parallel size %d)" $budget $start (int $v.prefill.replicas) (int $v.decode.replicas) $tp) -}}
+{{- end -}}
+{{- end -}}
+{{- $replicas := div $budget $tp -}}
+{{- $reach := dict -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $other := ternary "Decode" "Prefill" (eq $role "prefill") -}}
+{{- $most := min (int (index $p (printf "max%s" (index $keys $role)))) (sub $replicas (int (index $p (printf "min%s" $other)))) -}}
+{{- $_ := set $reach $role (dict "least" (int (index $p (printf "min%s" (index $keys $role)))) "most" $most) -}}
+{{- end -}}
+{{- toJson $reach -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The args' router_autoscaling (empty when router.autoscaling is off): the values in
