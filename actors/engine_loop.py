@@ -35,6 +35,7 @@ from typing import Any
 from actors.messages import DECODE, PrefixReport, ReplicaLoad
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
+from pd_cluster.models.loader import model_loads
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 
@@ -216,7 +217,7 @@ class EngineLoop:
             self._wake.clear()   # before draining, so a command queued after it wakes us
             self._apply_commands()
             if not self.engine.has_unfinished():
-                self._refresh()
+                self.refresh()
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             try:
@@ -230,7 +231,7 @@ class EngineLoop:
                 self._fail_all(EngineFailed(f"engine step failed: {e!r}"))
                 continue
             self._deliver_step(outputs)
-            self._refresh()
+            self.refresh()
         self._fail_all(EngineFailed("engine loop shut down"))
 
     def _exit_if_ranks_died(self) -> None:
@@ -341,7 +342,7 @@ class EngineLoop:
             self._sinks.pop(sink.tag, None)
         return sink.tag, item
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
         """After each step and command batch: what the step cached and evicted, then the load
         (engine thread)."""
         self.prefix_events.publish()
@@ -352,7 +353,8 @@ class EngineLoop:
         return ReplicaLoad(
             self.role, self.replica_id, num_running=len(sched.running),
             num_waiting=len(sched.waiting), kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
-            kv_blocks_total=kv.num_blocks, prefix_queries=sched.stats.prefix_queries,
+            kv_blocks_total=kv.num_blocks, kv_blocks_cached=kv.allocator.num_cached_blocks,
+            model_loads=model_loads(), prefix_queries=sched.stats.prefix_queries,
             prefix_hits=sched.stats.prefix_hits, num_preemptions=sched.stats.num_preemptions,
             steps={kind: t.as_dict() for kind, t in self.engine.step_totals.items()})
 

@@ -50,12 +50,15 @@ class ReplicaLoad:
     num_waiting: int = 0
     kv_blocks_used: int = 0             # held by requests; cached-but-free blocks count as free
     kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0           # blocks holding a cached prompt prefix (held or free)
     prefix_queries: int = 0             # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0                # of which were cached
     num_preemptions: int = 0
     kv_bytes_transferred: int = 0       # KV sent (P) or received (D)
     kv_transfer_seconds: float = 0.0    # time spent in those transfers
     transport: str = ""                 # KV transport name ("" when it has none)
+    model_loads: int = 0                # models built in the replica's process (a role
+                                        # change keeps its weights: this stays 1)
     # Engine steps by kind ("prefill" | "decode" | "mixed"): steps, seconds and the work in
     # them (see pd_cluster.step_totals).
     steps: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """StreamingEngine: what every engine actor that decodes for the router has in common.
 
-Lifecycle of a request on such an actor (ColocatedActor, DecodingActor):
+Lifecycle of a request on such an actor (ColocatedActor, EngineActor serving D):
     generate(id, ids, params, sub) → the request joins the engine (prefilled here); returns
                                      once queued, or raises RequestRejected
     outputs(sub)                   → one Ray streaming generator per subscriber (a router

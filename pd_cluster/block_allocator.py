@@ -179,6 +179,11 @@ class BlockAllocator:
         return len(self.blocks)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a cached prompt prefix (held by requests or free)."""
+        return len(self._by_hash)
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

@@ -38,7 +38,8 @@ class ColocatedClient:
 
     @property
     def actors(self) -> list[Any]:
-        return self.table.actors[DECODE]
+        """The engines' actors, by replica id (tests, benchmarks)."""
+        return self.table.by_id(DECODE)
 
     @classmethod
     def start(cls, config: AppConfig, engine: EngineConfig,
@@ -66,7 +67,7 @@ class ColocatedClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
-        actor = self.actors[route.decode_id]
+        actor = self.table.actors[DECODE][route.decode_id]
         self._where[request_id] = route.decode_id
         finished = False
         try:
@@ -90,7 +91,7 @@ class ColocatedClient:
     async def abort(self, request_id: str) -> None:
         replica = self._where.get(request_id)
         if replica is not None:
-            await self.actors[replica].abort.remote(request_id)
+            await self.table.actors[DECODE][replica].abort.remote(request_id)
 
     async def loads(self, cursors: Mapping[tuple[str, int], int] | None = None
                     ) -> list[ReplicaLoad]:

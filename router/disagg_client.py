@@ -76,11 +76,13 @@ class DisaggregatedClient:
 
     @property
     def prefill(self) -> list[Any]:
-        return self.table.actors[PREFILL]
+        """The prefill replicas' actors, by replica id (tests, benchmarks)."""
+        return self.table.by_id(PREFILL)
 
     @property
     def decode(self) -> list[Any]:
-        return self.table.actors[DECODE]
+        """The decode replicas' actors, by replica id (tests, benchmarks)."""
+        return self.table.by_id(DECODE)
 
     @classmethod
     def start(cls, config: AppConfig, engine: EngineConfig,
@@ -131,7 +133,7 @@ class DisaggregatedClient:
                 left = dataclasses.replace(params, max_tokens=params.max_tokens - done,
                                            min_tokens=max(0, params.min_tokens - done))
                 try:
-                    await self.streams.open(attempt_id, (DECODE, d_id), self.decode[d_id])
+                    await self.streams.open(attempt_id, (DECODE, d_id), self.table.actors[DECODE][d_id])
                     early = await self._start(request_id, attempt_id,
                                               prompt_token_ids + acc.token_ids, left,
                                               Route(d_id, route.prefill_id))
@@ -168,7 +170,7 @@ class DisaggregatedClient:
         """Start one try on one decode replica (its outputs come through self.streams);
         returns the first token's output when the prefill side already has it (TTFT does
         not wait for D). Raises RayActorError if that replica dies."""
-        d = self.decode[route.decode_id]
+        d = self.table.actors[DECODE][route.decode_id]
         self._where[request_id] = (attempt_id, None, d)
         if route.prefill_id is not None:
             # Reserve on D and prefill on P at once: P needs D's blocks only for its first
@@ -208,7 +210,7 @@ class DisaggregatedClient:
         `destination`: the handoff's, for P."""
         tried: set[int] = set()
         while True:
-            p = self.prefill[p_id]
+            p = self.table.actors[PREFILL][p_id]
             self._where[request_id] = (attempt_id, p, d)
             self.streams.lease((PREFILL, p_id), p)
             try:

@@ -21,7 +21,13 @@ A slot is a (role, replica id); its states are ReplicaState's (router/membership
                doubles with each death soon after a start, RESTART_BACKOFF_S to
                MAX_BACKOFF_S; a replica that served STABLE_AFTER_S starts over at the base
     drain      DRAINING: routers stop sending it requests; once it runs and holds nothing
-               (or at the timeout) it is killed → RETIRED, and never restarted
+               (or at the timeout) it is killed → RETIRED, and never restarted; its pool's
+               target shrinks by one (the planner's removal, or an operator's)
+    add        a new slot of a role (the next unused replica id) → spawn; the target grows
+    flip       DRAINING until idle, then the actor changes roles (EngineActor.set_role, the
+               model kept loaded) → RETIRED, and a new slot of the other role adopts the
+               same actor → STARTING → joins the KV handoff → READY. Still busy at the
+               timeout: back to READY, nothing changed
 Every change of a slot's state or actor bumps the version and wakes `membership` long polls.
 """
 from __future__ import annotations
@@ -88,6 +94,18 @@ class _Slot:
                             self.detail)
 
 
+@dataclass(frozen=True, slots=True)
+class RoleChange:
+    """One replica's change of roles, as `flip` made it."""
+
+    old: tuple[str, int]            # its slot before (RETIRED)
+    new: tuple[str, int]            # its slot after
+    actor_id: str                   # the same actor in both
+    idle: ReplicaLoad               # its report once drained (its prefix cache still full)
+    switched: ReplicaLoad           # its report at the switch: the KV pool empty
+    seconds: float                  # from drained to switched
+
+
 class EngineFleet:
     """See the module docstring. `spawn(role, replica_id)` makes a new actor for a slot (None
     for a fleet of adopted actors, which cannot restart any)."""
@@ -96,6 +114,7 @@ class EngineFleet:
                  resources: Mapping[str, dict[str, Any]], spawn: Any = None,
                  supervise: bool = True) -> None:
         self.mode, self.handoff, self.spawn_actor = mode, handoff, spawn
+        self.resources = {role: dict(r) for role, r in resources.items()}
         self.targets = {role: n for role, n in targets.items() if n}
         self.supervise = supervise and spawn is not None
         self.version, self.epoch = 0, uuid.uuid4().hex[:12]
@@ -105,6 +124,7 @@ class EngineFleet:
         self._join_lock: asyncio.Lock | None = None
         self._supervisor: asyncio.Task | None = None
         self.started = False
+        self.role_changes: list[RoleChange] = []
 
     @classmethod
     def for_app(cls, config: Any, engine: Any, actor_options: Mapping[str, dict[str, Any]],
@@ -125,11 +145,9 @@ class EngineFleet:
                 from actors.colocated_actor import ColocatedActor
                 return ColocatedActor.options(**options).remote(role_engine, replica_id,
                                                                 timeout)
-            from actors.decode_actor import DecodingActor
-            from actors.prefill_actor import PrefillActor
-            cls_ = PrefillActor if role == PREFILL else DecodingActor
-            return cls_.options(**options).remote(role_engine, replica_id, config.transport,
-                                                  timeout)
+            from actors.engine_actor import EngineActor
+            return EngineActor.options(**options).remote(role_engine, role, replica_id,
+                                                         config.transport, timeout)
         return cls(config.mode, {PREFILL: config.num_prefill, DECODE: config.num_decode},
                    handoff, actor_options, spawn, supervise)
 
@@ -166,14 +184,14 @@ class EngineFleet:
         return self.membership()
 
     async def wait_serving(self, timeout_s: float, every: bool = True) -> Membership:
-        """Start (if not yet) and return the membership once every slot is READY (`every`;
+        """Start (if not yet) and return the membership once every slot is READY or RETIRED (`every`;
         else once every role has one). TimeoutError says which replicas are not."""
         self.start()
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.membership()
-            done = (all(s.state is ReplicaState.READY for s in self.slots.values()) if every
-                    else m.serving())
+            done = (all(s.state in (ReplicaState.READY, ReplicaState.RETIRED)
+                        for s in self.slots.values()) if every else m.serving())
             if done:
                 return m
             if not self.supervise and any(s.state is ReplicaState.DEAD
@@ -208,26 +226,97 @@ class EngineFleet:
 
     async def drain(self, role: str, replica_id: int, timeout_s: float = 600.0) -> Membership:
         """Stop routing to a replica, wait until it runs and holds nothing (at most
-        `timeout_s`), stop it: RETIRED. Idleness counts only after DRAIN_GRACE_S, once every
-        router has seen DRAINING (a request routed just before may not have arrived yet);
-        held KV blocks count as work (a prefill whose KV is still on its way to D, a
-        reservation on D)."""
+        `timeout_s`), stop it: RETIRED. The pool's target shrinks by one."""
         slot = self.slots[(role, replica_id)]
+        if slot.state is not ReplicaState.RETIRED:
+            self.targets[role] = max(0, self.targets.get(role, 0) - 1)
+        await self._wait_idle(slot, "draining: no new requests", timeout_s)
+        self._kill(slot)
+        if slot.task is not None:
+            slot.task.cancel()
+        if slot.state is not ReplicaState.RETIRED:
+            self._set(slot, ReplicaState.RETIRED, "drained and stopped")
+        return self.membership()
+
+    def add(self, role: str) -> tuple[str, int]:
+        """A new replica of `role` (a new actor, placed by Ray: on a cluster with an
+        autoscaler, a node is added when none has room); the pool's target grows by one."""
+        slot = self._new_slot(role, dict(self.resources.get(role, {})))
+        self._spawn(slot)
+        return slot.key
+
+    async def flip(self, role: str, replica_id: int, timeout_s: float = 600.0
+                   ) -> tuple[str, int] | None:
+        """Move a READY replica to the other role without reloading its model: routers stop
+        sending it `role` work (DRAINING), it finishes what it has (at most `timeout_s`; a
+        replica still busy then goes back to READY, and None is returned), it switches
+        (EngineActor.set_role: its KV pool emptied) and its slot is RETIRED; a new slot of
+        the other role adopts the same actor and joins the KV handoff like a started one.
+        Returns the new slot's key."""
+        slot = self.slots[(role, replica_id)]
+        other = DECODE if role == PREFILL else PREFILL
+        new_id = self._next_id(other)
+        idle = await self._wait_idle(slot, f"changing to {other}-{new_id}: no new "
+                                     f"{role} requests", timeout_s)
+        began = time.monotonic()
+        if slot.state is not ReplicaState.DRAINING:
+            return None                              # it died meanwhile: the supervisor has it
+        try:
+            if idle is None:
+                raise RuntimeError(f"still busy after {timeout_s:g} s")
+            switched = await asyncio.wait_for(slot.actor.set_role.remote(other, new_id),
+                                              HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - keep serving the old role
+            logger.warning("engine replica %s did not change roles: %s", slot.name, _reason(e))
+            self._set(slot, ReplicaState.READY, f"role change abandoned: {_reason(e)}")
+            return None
+        actor, actor_id = slot.actor, slot.actor_id
+        self.targets[role] = max(0, self.targets.get(role, 0) - 1)
+        slot.actor = None                            # the new slot owns it now
+        self._set(slot, ReplicaState.RETIRED, f"now {other}-{new_id} (same actor)")
+        new = self._new_slot(other, slot.resources, new_id)
+        new.actor, new.actor_id, new.load = actor, actor_id, switched
+        new.spawned_at = time.monotonic()
+        self._bump()
+        new.task = asyncio.get_running_loop().create_task(self._bring_up(new))
+        self.role_changes.append(RoleChange(slot.key, new.key, actor_id, idle, switched,
+                                            time.monotonic() - began))
+        logger.info("engine replica %s is now %s (actor %s, model kept)", slot.name, new.name,
+                    actor_id)
+        return new.key
+
+    async def _wait_idle(self, slot: _Slot, detail: str, timeout_s: float
+                         ) -> ReplicaLoad | None:
+        """DRAINING (routers stop sending it requests); its load report once it runs and
+        holds nothing, None at `timeout_s` or if it stopped answering. Idleness counts only after
+        DRAIN_GRACE_S, once every router has seen DRAINING (a request routed just before may
+        not have arrived yet); held KV blocks count as work (a prefill whose KV is still on
+        its way to D, a reservation on D). The replica's own report, not the health check's
+        (an unsupervised fleet makes none)."""
         if slot.state is ReplicaState.READY:
-            self._set(slot, ReplicaState.DRAINING, "draining: no new requests")
+            self._set(slot, ReplicaState.DRAINING, detail)
         began = time.monotonic()
         while slot.state is ReplicaState.DRAINING and time.monotonic() - began < timeout_s:
             try:
                 load = await asyncio.wait_for(slot.actor.load.remote(), HEALTH_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - dead or unresponsive: nothing left to wait for
-                break
+                return None
             if time.monotonic() - began >= DRAIN_GRACE_S and _idle(load):
-                break
+                return load
             await asyncio.sleep(DRAIN_POLL_S)
-        self._kill(slot)
-        if slot.state is not ReplicaState.RETIRED:
-            self._set(slot, ReplicaState.RETIRED, "drained and stopped")
-        return self.membership()
+        return None
+
+    def _new_slot(self, role: str, resources: dict[str, Any], replica_id: int | None = None
+                  ) -> _Slot:
+        slot = _Slot(role, self._next_id(role) if replica_id is None else replica_id,
+                     dict(resources))
+        self.slots[slot.key] = slot
+        self.targets[role] = self.targets.get(role, 0) + 1
+        return slot
+
+    def _next_id(self, role: str) -> int:
+        """Replica ids are never reused: a router may still hold the old one's state."""
+        return 1 + max((i for r, i in self.slots if r == role), default=-1)
 
     def shutdown(self) -> None:
         """Stop watching and kill every engine (and the KV pool); the fleet is done."""
@@ -385,7 +474,8 @@ def _idle(load: ReplicaLoad) -> bool:
 
 def _not_ready(fleet: EngineFleet) -> str:
     return "; ".join(f"{s.name} {s.state}" + (f" ({s.detail})" if s.detail else "")
-                     for s in fleet.slots.values() if s.state is not ReplicaState.READY)
+                     for s in fleet.slots.values()
+                     if s.state not in (ReplicaState.READY, ReplicaState.RETIRED))
 
 
 def _reason(e: BaseException) -> str:

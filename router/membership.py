@@ -7,7 +7,7 @@ the version: routers ask the engines for those themselves.
 
 Lifecycle of one replica slot (role, replica id), `ReplicaState`:
 
-    PENDING ──► STARTING ──► READY ──► DRAINING ──► RETIRED
+    PENDING ──► STARTING ──► READY ◄─► DRAINING ──► RETIRED
        │            │          │           │
        └────────────┴──────────┴───────────┴──► DEAD ──(backoff)──► PENDING (a new actor)
 
@@ -15,7 +15,9 @@ PENDING: the actor is created but Ray has not placed it (it waits for resources:
 says what it asks for and why it does not fit). STARTING: placed, loading the model and
 joining the KV handoff. DEAD: its process died or stopped answering health checks; the
 controller starts a new actor in the same slot after a backoff. RETIRED: drained and stopped
-on purpose; never restarted.
+on purpose (the planner removed it), or moved to a slot of the other role with the same actor
+(a role change); never restarted. DRAINING goes back to READY when a role change is given up.
+Replica ids are never reused, so they need not be dense.
 
 No Ray import: routers, the controller and tests share these types.
 """
@@ -49,7 +51,9 @@ TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = {
     ReplicaState.STARTING: frozenset({ReplicaState.READY, ReplicaState.DEAD,
                                       ReplicaState.RETIRED}),
     ReplicaState.READY: frozenset({ReplicaState.DRAINING, ReplicaState.DEAD}),
-    ReplicaState.DRAINING: frozenset({ReplicaState.RETIRED, ReplicaState.DEAD}),
+    # Back to READY: a role change given up (the replica stayed busy past the timeout).
+    ReplicaState.DRAINING: frozenset({ReplicaState.RETIRED, ReplicaState.DEAD,
+                                      ReplicaState.READY}),
     ReplicaState.DEAD: frozenset({ReplicaState.PENDING, ReplicaState.RETIRED}),
     ReplicaState.RETIRED: frozenset(),
 }
@@ -159,7 +163,8 @@ class ReplicaTable:
     by this router since (it often notices a death before the controller does)."""
 
     def __init__(self) -> None:
-        self.actors: dict[str, list[Any]] = {PREFILL: [], DECODE: []}
+        # By replica id: ids are not dense once the planner adds, removes or flips replicas.
+        self.actors: dict[str, dict[int, Any]] = {PREFILL: {}, DECODE: {}}
         self.membership: Membership | None = None
         self._ids: dict[Key, str] = {}
         self._usable: set[Key] = set()
@@ -170,9 +175,7 @@ class ReplicaTable:
         if not membership.newer_than(self.membership):
             return False
         self.membership = membership
-        for role in (PREFILL, DECODE):
-            n = membership.targets.get(role, 0)
-            self.actors[role] = (self.actors[role] + [None] * n)[:n]
+        self.actors = {PREFILL: {}, DECODE: {}}
         self._usable = set()
         for m in membership.members:
             if m.actor is not None and m.state in (ReplicaState.READY, ReplicaState.DRAINING):
@@ -200,6 +203,10 @@ class ReplicaTable:
 
     def live(self, role: str, exclude: int | None = None) -> list[int]:
         return sorted(i for r, i in self._usable if r == role and i != exclude)
+
+    def by_id(self, role: str) -> list[Any]:
+        """The actors of `role` this membership holds (READY or DRAINING), by replica id."""
+        return [a for _, a in sorted(self.actors[role].items())]
 
     def keyed(self) -> list[tuple[Key, Any]]:
         """(key, handle) of every usable replica: prefill ones first, by replica id."""

@@ -16,11 +16,10 @@ from tiny_models import make_tiny_model
 from waiting import wait_until, wait_until_async
 
 ray = pytest.importorskip("ray")
-from actors.decode_actor import DecodingActor  # noqa: E402
+from actors.engine_actor import EngineActor  # noqa: E402
 from actors.handoff import PushHandoff  # noqa: E402
 from router.disagg_client import DisaggregatedClient  # noqa: E402
 from router.errors import EngineUnavailable  # noqa: E402
-from actors.prefill_actor import PrefillActor  # noqa: E402
 from transfer.base import TransferError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -41,9 +40,9 @@ class FailingPush(PushHandoff):
 def start(model_dir, transport, num_p=1, num_d=1, recompute=True, lease_s=60.0, handoff=None,
           **engine):
     cfg = EngineConfig(model=model_dir, block_size=16, **engine)
-    p = [PrefillActor.options(num_cpus=0).remote(cfg, i, transport, 30.0)
+    p = [EngineActor.options(num_cpus=0).remote(cfg, "prefill", i, transport, 30.0)
          for i in range(num_p)]
-    d = [DecodingActor.options(num_cpus=0).remote(cfg, i, transport, 30.0, lease_s)
+    d = [EngineActor.options(num_cpus=0).remote(cfg, "decode", i, transport, 30.0, lease_s)
          for i in range(num_d)]
     client = DisaggregatedClient.over(p, d, recompute, handoff)
     asyncio.run(client.wait_ready(120))

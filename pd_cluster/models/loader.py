@@ -41,8 +41,20 @@ def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None
                 p.weight_loader(p, whole.normal_(0, 0.02, generator=gen))
 
 
+# Models this process has built: an engine replica reports it (ReplicaLoad.model_loads), so a
+# role change can be seen to keep its weights rather than load them again.
+_loads = 0
+
+
+def model_loads() -> int:
+    """How many models this process has built (load_model calls)."""
+    return _loads
+
+
 def load_model(model_dir: str | None, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
                device: torch.device, load_format: str, seed: int) -> LlamaForCausalLM:
+    global _loads
+    _loads += 1
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):

@@ -1,0 +1,199 @@
+"""EngineActor: one engine replica of a disaggregated deployment, serving as P or as D, and
+able to change roles without reloading its model.
+
+Lifecycle of the actor (the engine controller drives it, router/fleet.py):
+    __init__(config, role, id)  loads the model, starts the engine loop and a transport over
+                                the engine's KV cache (KVEndpoint); serves `role`
+    open_handoff(handoff, peers) the controller opens the deployment's KV handoff on it for
+                                its role (push, or through the KV pool, actors/handoff.py)
+    SERVING                     requests of its role (PrefillSide / DecodeSide); a call for
+                                the other role raises WrongRole
+    (controller: DRAINING)      routers send it nothing new; what it has runs to the end
+    set_role(role, id)          only when idle (nothing running, waiting, reserved or held):
+                                SWITCHING, the prefix cache dropped (the KV pool is empty),
+                                the engine's per-role settings and its name in load reports
+                                changed, the handoff closed → SERVING the new role, with no
+                                handoff until the controller opens it again; the weights stay
+                                loaded (`ReplicaLoad.model_loads` stays 1)
+A colocated deployment's engines are ColocatedActors (actors/colocated_actor.py) instead.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import ray
+
+from actors.decode_side import DecodeSide
+from actors.engine_loop import EngineLoop
+from actors.handoff import KVEndpoint, KVHandoff
+from actors.messages import DECODE, PREFILL, KVDestination, PrefillResult, ReplicaLoad
+from actors.prefill_side import PrefillSide
+from actors.streaming import StreamingEngine
+from actors.transport_pump import ms_percentiles
+from kernels import compiles
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine import LLMEngine
+from pd_cluster.sampling_params import SamplingParams
+
+
+class RoleState(str, enum.Enum):
+    SERVING = "serving"
+    SWITCHING = "switching"
+
+
+class WrongRole(RuntimeError):
+    """A call for the role this replica does not serve (it changed roles, or is changing)."""
+
+
+@ray.remote
+class EngineActor(StreamingEngine):
+    def __init__(self, config: EngineConfig, role: str, replica_id: int, transport: str,
+                 timeout_s: float = 120.0, lease_s: float = 60.0) -> None:
+        if role not in (PREFILL, DECODE):
+            raise ValueError(f"role: {role!r} is not {PREFILL!r} or {DECODE!r}")
+        self.lease_s = lease_s
+        self.loop = EngineLoop(config, timeout_s, role, replica_id)
+        self.async_scheduling = self.loop.engine.async_scheduling   # D's setting, resolved
+        self._open_outbox()
+        self.end = KVEndpoint(self.loop, transport, timeout_s, f"engine-{role}-{replica_id}-kv")
+        self.handoff: KVHandoff | None = None     # the controller's, once opened for the role
+        self.state = RoleState.SERVING
+        self.role_changes = 0
+        self.side: PrefillSide | DecodeSide = self._side_for(role)
+        if role == PREFILL:
+            self.loop.engine.async_scheduling = False   # before any request: no race
+
+    @property
+    def role(self) -> str:
+        return PREFILL if isinstance(self.side, PrefillSide) else DECODE
+
+    def _side_for(self, role: str) -> PrefillSide | DecodeSide:
+        return PrefillSide(self) if role == PREFILL else DecodeSide(self, self.lease_s)
+
+    def _as(self, role: str):
+        if self.state is not RoleState.SERVING or self.role != role:
+            raise WrongRole(f"engine replica {self.loop.role}-{self.loop.replica_id} serves "
+                            f"{self.role} ({self.state}), not {role}")
+        return self.side
+
+    # -- either role ----------------------------------------------------------------------
+    def kv_descriptor(self) -> bytes:
+        """The encoded KVDescriptor of this engine's KV cache."""
+        return self.end.encoded_descriptor
+
+    async def open_handoff(self, handoff: KVHandoff, peers: list[bytes]) -> None:
+        """Hand the KV of prompts over (P) or take it (D) this way from now on; `peers`: the
+        other role's KV descriptors, for a handoff that addresses them."""
+        if self.role == PREFILL:
+            await handoff.open_prefill(self.end, peers)
+        else:
+            await handoff.open_decode(self.end, peers)
+        self.handoff = handoff
+
+    async def add_peer(self, descriptor: bytes) -> None:
+        """Connect to an engine of the other role that joined after us."""
+        await self.end.connect(descriptor)
+
+    async def abort(self, request_id: str) -> None:
+        await self.side.abort(request_id)
+
+    def _subscriber_gone(self, sub: str, request_ids: list[str]) -> None:
+        """A router's lease expired: end what it left here (its prefills; its reservations
+        and streams)."""
+        self.side.subscriber_gone(sub, request_ids)
+        self.outbox.close(sub)
+
+    async def load(self, prefix_since: int | None = None) -> ReplicaLoad:
+        """The engine's load report (see KVEndpoint.load, EngineLoop.load)."""
+        return self.end.load(prefix_since)
+
+    async def stage_times(self) -> list[tuple]:
+        """Recent requests' stage times (PrefillSide.stages / DecodeSide.stages)."""
+        return list(self.side.stages)
+
+    async def diagnostics(self, since: float | None = None) -> dict:
+        """The pump's command lag and slow iterations, and the engine's step durations; with
+        `since` (monotonic), also the raw step log (began, ended, waiting, running) of the
+        steps that began after it and the Triton kernels compiled since."""
+        log = list(self.loop.step_log)
+        out = {"pump": self.end.pump.stats(), "steps": len(log),
+               **ms_percentiles("step", [b - a for a, b, *_ in log])}
+        if since is not None:
+            out["step_log"] = [row for row in log if row[0] >= since]
+            out["kernel_compiles"] = compiles.since(since)
+        return out
+
+    # -- prefill (P) ----------------------------------------------------------------------
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      destination: list | None, sub: str | None = None) -> PrefillResult:
+        """See PrefillSide.prefill."""
+        return await self._as(PREFILL).prefill(request_id, prompt_ids, params, destination, sub)
+
+    async def timeline(self) -> list[tuple[str, int, float]]:
+        """See PrefillSide.timeline."""
+        return self._as(PREFILL).timeline()
+
+    # -- decode (D) -----------------------------------------------------------------------
+    async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      sub: str | None = None) -> KVDestination | None:
+        """See DecodeSide.reserve."""
+        return await self._as(DECODE).reserve(request_id, prompt_ids, params, sub)
+
+    async def renew(self, request_id: str) -> bool:
+        """See DecodeSide.renew."""
+        return await self._as(DECODE).renew(request_id)
+
+    async def decode(self, request_id: str, result: PrefillResult, sub: str) -> None:
+        """See DecodeSide.decode."""
+        await self._as(DECODE).decode(request_id, result, sub)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       sub: str) -> None:
+        """D prefills a prompt itself (conditional disaggregation, recompute after a failed
+        prefill): StreamingEngine.generate."""
+        self._as(DECODE)
+        await super().generate(request_id, prompt_ids, params, sub)
+
+    # -- changing roles ---------------------------------------------------------------------
+    async def set_role(self, role: str, replica_id: int) -> ReplicaLoad:
+        """Serve `role` as replica `replica_id` from now on, keeping the model loaded (see
+        the module docstring). Raises (and keeps serving as before) unless the engine is
+        idle; returns the load report taken on the engine thread at the switch (nothing
+        held, the prefix cache empty)."""
+        if role not in (PREFILL, DECODE):
+            raise ValueError(f"role: {role!r} is not {PREFILL!r} or {DECODE!r}")
+        if self.state is not RoleState.SERVING:
+            raise RuntimeError(f"engine replica is already {self.state}")
+        old, self.state = self.side, RoleState.SWITCHING
+        began = time.monotonic()
+        try:
+            load = await self.loop.call(lambda e: self._switch(e, role, replica_id))
+        except BaseException:
+            self.state = RoleState.SERVING
+            raise
+        self.handoff, self.loop.listener = None, None   # the controller opens it anew
+        self.side = old if role == self.role else self._side_for(role)
+        self.role_changes += 1
+        self.state = RoleState.SERVING
+        self.switch_s = time.monotonic() - began
+        return load
+
+    def _switch(self, engine: LLMEngine, role: str, replica_id: int) -> ReplicaLoad:
+        """Engine thread, between steps: the commands queued before this one have run."""
+        kv = engine.kv
+        busy = engine.has_unfinished() or kv.num_free_blocks != kv.num_blocks
+        if busy:
+            raise RuntimeError(
+                f"engine replica {self.loop.role}-{self.loop.replica_id} is not idle "
+                f"({len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} "
+                f"waiting, {kv.num_blocks - kv.num_free_blocks} KV blocks held): drain it "
+                "before it changes roles")
+        kv.allocator.reset_prefix_cache()        # the old role's cached prompts go
+        if role == PREFILL:
+            PrefillSide.configure(engine)
+        else:
+            engine.async_scheduling = self.async_scheduling
+        self.loop.role, self.loop.replica_id = role, replica_id
+        self.loop.refresh()
+        return self.loop.load()
