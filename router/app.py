@@ -100,6 +100,7 @@ class OpenAIRouter:
         engine: EngineConfig = info.engine
         client = make_client(config, engine)
         metrics = RouterMetrics(config.engine.model)
+        metrics.collect_samples = config.planner.enabled
         policy = make_policy(config.routing.policy, RoutingInputs(
             config.num_prefill, config.num_decode, engine.block_size,
             config.routing.prefill_weight, config.conditional_disagg_threshold))
@@ -148,8 +149,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     actor_options = {role: replica_actor_options(config, role, resources)
                      for role in ("prefill", "decode")}
     controller = EngineController.bind(dict(args or {}), actor_options)
-    ongoing = (config.num_decode * config.engine.max_num_seqs + config.limits.max_queue
-               + SPARE_ONGOING_REQUESTS)
+    ongoing = (config.most_replicas("decode") * config.engine.max_num_seqs
+               + config.limits.max_queue + SPARE_ONGOING_REQUESTS)
     scaling = config.router_deployment_options()
     deployment = OpenAIRouter.options(
         max_ongoing_requests=ongoing, **scaling,
@@ -163,8 +164,11 @@ def router_cpus(config: AppConfig, routers: int, resources: Mapping[str, float],
     """CPUs of each of (at most) `routers` router replicas: one where the cluster has them
     beside the engines, else an equal share of what the engines leave
     (replica_actor_options leaves one CPU)."""
-    engines = sum(actor_options[role].get("num_cpus", 1.0) * n for role, n in
-                  (("prefill", config.num_prefill), ("decode", config.num_decode)))
+    cpus = {role: actor_options[role].get("num_cpus", 1.0) for role in ("prefill", "decode")}
+    if config.planner.enabled:      # the most engines that can run at once, of either role
+        engines = max(cpus.values()) * config.most_engine_replicas()
+    else:
+        engines = cpus["prefill"] * config.num_prefill + cpus["decode"] * config.num_decode
     spare = resources.get("CPU", 0) - engines
     if spare >= routers:
         return 1.0

@@ -9,6 +9,10 @@
                         not its epoch (a long poll of at most t seconds): every router
                         replica keeps one open
     drain(role, id)     stop routing to a replica, wait until it is idle, stop it
+    report(samples)     a router replica's finished requests, for the planner (when
+                        `planner.enabled`: router/planner_loop.py resizes the pools every
+                        interval); answers with the planner's decisions so far
+    planner_log()       the planner's recent decisions with their inputs
     (Serve stops it)    its engine actors die with it
 
 Why a Serve deployment of the application, with one replica, and the engines plain Ray
@@ -38,8 +42,9 @@ from typing import Any
 from ray import serve
 
 from router.app_config import AppConfig
-from router.fleet import EngineFleet
+from router.fleet import EngineFleet, RoleChange
 from router.membership import Membership, ModelInfo
+from router.planner_loop import LatencySample, PlannerLoop, PlannerView, PlanRecord
 
 logger = logging.getLogger(__name__)
 LONGEST_POLL_S = 30.0
@@ -54,6 +59,7 @@ class EngineController:
         self.config = AppConfig.from_args(args)
         self.actor_options = actor_options
         self.fleet: EngineFleet | None = None
+        self.planner: PlannerLoop | None = None
         self._info: asyncio.Future = asyncio.get_running_loop().create_future()
         self._start = asyncio.get_running_loop().create_task(self._start_engines())
 
@@ -72,6 +78,9 @@ class EngineController:
         self.fleet.start()
         logger.info("engine controller: starting %s", ", ".join(
             f"{n} {role}" for role, n in self.fleet.targets.items()))
+        if self.config.planner.enabled:
+            self.planner = PlannerLoop.for_app(self.config, engine, self.fleet)
+            self.planner.start()
 
     async def model_info(self, timeout_s: float = 900.0) -> ModelInfo:
         return await asyncio.wait_for(asyncio.shield(self._info), timeout_s)
@@ -86,7 +95,22 @@ class EngineController:
         await self._info
         return await self.fleet.drain(role, replica_id, timeout_s)
 
+    async def report(self, samples: list[LatencySample]) -> PlannerView:
+        if self.planner is None:
+            return PlannerView(False, {})
+        return self.planner.report(samples)
+
+    async def role_changes(self) -> list[RoleChange]:
+        """Every role change the fleet made (EngineFleet.flip)."""
+        await self._info
+        return list(self.fleet.role_changes)
+
+    async def planner_log(self) -> list[PlanRecord]:
+        return [] if self.planner is None else list(self.planner.log)
+
     def __del__(self) -> None:
         # Serve calls this on a graceful stop; the engines would die with us anyway.
+        if self.planner is not None:
+            self.planner.stop()
         if self.fleet is not None:
             self.fleet.shutdown()

@@ -2,12 +2,14 @@
 
 Latencies are measured in the router per engine request (what a client sees); per-replica
 gauges and counters come from the replicas' load reports, read at scrape time, and pool
-sizes, engine restarts and the membership version from the engine controller's membership. Names are
+sizes, engine restarts and the membership version from the engine controller's membership, and
+the planner's decisions from the controller's answer to each latency report. Names are
 the ones the Grafana dashboard (helm/dashboards/pd-cluster.json) queries; replica metrics
 carry `role` ("prefill" | "decode") and `replica` labels.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -17,7 +19,9 @@ from prometheus_client.registry import Collector
 
 from pd_cluster.request import FinishReason
 from pd_cluster.step_totals import STEP_FEATURES
+from pd_cluster.planner import Action
 from router.membership import Membership, ReplicaState
+from router.planner_loop import MAX_SAMPLES, LatencySample, PlannerView
 from router.routing import ReplicaLoad
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -113,6 +117,24 @@ class _MembershipCollector(Collector):
         yield from (version, replicas, target, restarts)
 
 
+class _PlannerCollector(Collector):
+    """Exports the engine controller's planner decisions (set by RouterMetrics.set_planner,
+    from the controller's answer to this router's latency report)."""
+
+    def __init__(self) -> None:
+        self.view: PlannerView | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.view is None or not self.view.enabled:
+            return
+        decisions = CounterMetricFamily("pd_planner_decisions", "P:D planner decisions, by "
+                                        "action (hold included), since the controller "
+                                        "started.", labels=("action",))
+        for action in Action:
+            decisions.add_metric([action.value], self.view.decisions.get(action.value, 0))
+        yield decisions
+
+
 class RouterMetrics:
     """Every metric of one router replica, in its own registry."""
 
@@ -150,6 +172,12 @@ class RouterMetrics:
         r.register(self._replicas)
         self._membership = _MembershipCollector()
         r.register(self._membership)
+        self._planner = _PlannerCollector()
+        r.register(self._planner)
+        # Finished requests for the engine controller's planner (router/planner_loop.py),
+        # when it is on; sent and emptied every REPORT_EVERY_S.
+        self.collect_samples = False
+        self.samples: list[LatencySample] = []
 
     def set_loads(self, loads: Sequence[ReplicaLoad]) -> None:
         self._replicas.loads = list(loads)
@@ -160,15 +188,24 @@ class RouterMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, prompt_tokens: int = 0) -> RequestTimer:
+        return RequestTimer(self, prompt_tokens)
+
+    def take_samples(self) -> list[LatencySample]:
+        """The finished requests' samples since the last call (for the planner)."""
+        out, self.samples = self.samples, []
+        return out
+
+    def set_planner(self, view: PlannerView) -> None:
+        self._planner.view = view
 
 
 class RequestTimer:
     """Latency bookkeeping of one engine request, from arrival to its last output."""
 
-    def __init__(self, metrics: RouterMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics: RouterMetrics, prompt_tokens: int = 0) -> None:
+        self.metrics, self.prompt_tokens = metrics, prompt_tokens
+        self.arrived = time.time()
         self.start = time.perf_counter()
         self.first: float | None = None
         self.last: float | None = None
@@ -187,5 +224,11 @@ class RequestTimer:
         metrics.e2e.observe(now - self.start)
         metrics.finished.labels(metrics.model, finish_reason).inc()
         metrics.generation_tokens.inc(num_tokens)
+        tpot = math.nan
         if self.first is not None and num_tokens > 1:
-            metrics.tpot.observe((now - self.first) / (num_tokens - 1))
+            tpot = (now - self.first) / (num_tokens - 1)
+            metrics.tpot.observe(tpot)
+        if metrics.collect_samples and self.first is not None \
+                and len(metrics.samples) < MAX_SAMPLES:
+            metrics.samples.append(LatencySample(self.arrived, self.first - self.start, tpot,
+                                                 self.prompt_tokens, num_tokens))

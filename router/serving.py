@@ -170,7 +170,7 @@ class OpenAIServing:
         route = self.policy.route(job.prompt_ids)
         if self.config.num_prefill:
             self.metrics.decisions.labels("local" if route.prefill_id is None else "remote").inc()
-        timer = self.metrics.timer()
+        timer = self.metrics.timer(len(job.prompt_ids))
         async for out in self.client.generate(job.request_id, job.prompt_ids, job.params,
                                               route):
             timer.output()

@@ -12,6 +12,7 @@ from router.engine_client import EngineClient
 from router.errors import overloaded
 from router.membership import Membership
 from router.metrics import RouterMetrics
+from router.planner_loop import REPORT_EVERY_S
 from router.routing import ReplicaLoad, RoutingPolicy
 
 T = TypeVar("T")
@@ -151,7 +152,8 @@ class MembershipWatcher:
     """Keeps this router replica's view of the engines current: long-polls the engine
     controller's membership (router/controller.py) and hands each new version to the client
     (which replicas to use), the routing policy (which it may pick), admission (the running
-    slots of the READY decode replicas) and the metrics."""
+    slots of the READY decode replicas) and the metrics. The other way, with the planner on,
+    it reports finished requests' latencies to the controller (router/planner_loop.py)."""
 
     def __init__(self, controller: Any, client: EngineClient, policy: RoutingPolicy,
                  admission: Admission, metrics: RouterMetrics, max_num_seqs: int) -> None:
@@ -159,6 +161,7 @@ class MembershipWatcher:
         self.admission, self.metrics, self.max_num_seqs = admission, metrics, max_num_seqs
         self.membership: Membership | None = None
         self._task: asyncio.Task | None = None
+        self._reports: asyncio.Task | None = None
 
     def apply(self, membership: Membership) -> None:
         old = self.membership
@@ -181,9 +184,25 @@ class MembershipWatcher:
         self.policy.set_available(self.client.available())
 
     def ensure_started(self) -> None:
-        """Long-poll on the running event loop (the replica's), once."""
+        """Long-poll on the running event loop (the replica's), once; with the planner on,
+        also report finished requests' latencies."""
+        loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._poll())
+            self._task = loop.create_task(self._poll())
+        if self.metrics.collect_samples and (self._reports is None or self._reports.done()):
+            self._reports = loop.create_task(self._report())
+
+    async def _report(self) -> None:
+        """Every REPORT_EVERY_S, this router's finished requests (TTFT, TPOT, lengths) go to
+        the controller's planner, which answers with its decisions (for /metrics)."""
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            samples = self.metrics.take_samples()
+            try:
+                self.metrics.set_planner(await asyncio.wait_for(
+                    self.controller.report.remote(samples), MEMBERSHIP_POLL_S))
+            except Exception as e:  # noqa: BLE001 - these samples are lost; carry on
+                logger.warning("latency report to the planner failed: %r", e)
 
     async def _poll(self) -> None:
         while True:

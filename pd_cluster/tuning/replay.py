@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pd_cluster.planner import Action, IntervalStats, Planner, PlannerSettings
+from pd_cluster.planner import Action, IntervalStats, Planner, PlannerSettings, Predict
 from pd_cluster.tuning.profile import Profile
 from pd_cluster.tuning.simulator import ClusterSpec, EngineLimits, Simulator
 from pd_cluster.tuning.slo import SLO
@@ -82,10 +82,9 @@ def replay(profile: Profile, limits: EngineLimits, slo: SLO, phases: list[Phase]
     current: dict = {}          # the interval being decided on: its arrivals and lengths
 
     def predict(num_prefill: int, num_decode: int) -> tuple[float, float]:
-        stats, _ = _run_interval(profile, limits, slo,
-                                 ClusterSpec(num_prefill, num_decode, start.gpus_per_instance),
-                                 current["arrivals"], current["lengths"], rate)
-        return stats.ttft, stats.tpot
+        return interval_predictor(profile, limits, slo, start.gpus_per_instance,
+                                  current["arrivals"], current["lengths"])(num_prefill,
+                                                                           num_decode)
 
     planner = Planner(settings, predict) if settings is not None else None
     spec, out = start, Replay(planner is not None, start)
@@ -107,6 +106,23 @@ def replay(profile: Profile, limits: EngineLimits, slo: SLO, phases: list[Phase]
         out.intervals.append(row)
     out.seconds = total
     return out
+
+
+def interval_predictor(profile: Profile, limits: EngineLimits, slo: SLO,
+                       gpus_per_instance: int, arrivals: np.ndarray,
+                       lengths: list[tuple[int, int]]) -> Predict:
+    """The planner's `predict`: TTFT and TPOT at the SLO percentile of one interval's
+    requests (arrival seconds from the interval's start, (input, output) lengths) simulated
+    on other pools. The live planner (router/planner_loop.py) uses it on what routers
+    measured, the replay on its trace."""
+    rate = len(lengths) / max(float(arrivals.max()), 1e-3) if len(lengths) else 1.0
+
+    def predict(num_prefill: int, num_decode: int) -> tuple[float, float]:
+        stats, _ = _run_interval(profile, limits, slo,
+                                 ClusterSpec(num_prefill, num_decode, gpus_per_instance),
+                                 arrivals, lengths, rate)
+        return stats.ttft, stats.tpot
+    return predict
 
 
 def apply(spec: ClusterSpec, action: Action) -> ClusterSpec:
