@@ -5,9 +5,12 @@ pool sizes, and returns one Decision (an Action and why):
 
     TTFT over its SLO, TPOT within     → more prefill: ADD_PREFILL while the GPU budget and
                                           max_prefill allow, else FLIP_TO_PREFILL a decode
-                                          engine when decode has headroom (TPOT well within)
+                                          engine when decode has headroom (TPOT well within,
+                                          or, live, its engines queue nothing and use under
+                                          `headroom` of their KV)
     TPOT over its SLO, TTFT within     → more decode: the mirror image
-    both over                          → add to the pool further over its SLO, if room
+    both over                          → add to the pool further over its SLO, if room, else
+                                          flip to it if the other's engines are quiet
     both well within (under `headroom` × SLO) for `calm_intervals` intervals in a row
                                        → REMOVE the pool with more slack (down to its min),
                                           unless `predict` (from a profile) says the smaller
@@ -82,13 +85,25 @@ class PlannerSettings:
 @dataclass(frozen=True, slots=True)
 class IntervalStats:
     """One interval as measured: pool sizes, and TTFT / TPOT (seconds) at the SLO percentile
-    of the requests that finished in it (nan: none finished)."""
+    of the requests that finished in it (nan: none finished). Live pools add what their
+    engines report at the interval's end (the replay has none): requests waiting in each
+    pool's queues and its mean KV use (nan: unknown)."""
 
     num_prefill: int
     num_decode: int
     ttft: float
     tpot: float
     requests: int
+    prefill_waiting: float = math.nan
+    decode_waiting: float = math.nan
+    prefill_kv_usage: float = math.nan
+    decode_kv_usage: float = math.nan
+
+    def quiet(self, role: str, headroom: float) -> bool:
+        """Whether `role`'s engines have room by their own reports: nothing queued and under
+        `headroom` of their KV in use (False when unknown)."""
+        waiting, kv = getattr(self, f"{role}_waiting"), getattr(self, f"{role}_kv_usage")
+        return waiting == 0 and kv < headroom
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +146,9 @@ class Planner:
         if tpot > 1 and ttft <= 1:
             return self._grow("decode", s, room, ttft < cfg.headroom, figures)
         if ttft > 1 and tpot > 1:
+            # Both missed: the pool further over grows; an engine can come from the other
+            # only if its engines say they have room (its latency may be missed for another
+            # reason, e.g. the first decode step after a long prompt's handover).
             worse = "prefill" if ttft >= tpot else "decode"
             return self._grow(worse, s, room, False, figures)
         if self.calm >= cfg.calm_intervals:
@@ -149,9 +167,12 @@ class Planner:
         short = "TTFT" if role == "prefill" else "TPOT"
         if room and have < most:
             return Decision(Action(f"add_{role}"), f"{short} over its SLO: {figures}", s)
-        if other_has_headroom and others > least and have < most:
+        quiet = s.quiet(other, cfg.headroom)
+        if (other_has_headroom or quiet) and others > least and have < most:
+            why = "has headroom" if other_has_headroom else \
+                "engines queue nothing and use little KV"
             return Decision(Action(f"flip_to_{role}"),
-                            f"{short} over its SLO, no GPU to add, {other} has headroom: "
+                            f"{short} over its SLO, no GPU to add, {other} {why}: "
                             f"{figures}", s)
         return Decision(Action.HOLD, f"{short} over its SLO but {role} cannot grow "
                         f"(budget {cfg.gpu_budget} GPUs, max_{role} {most}): {figures}", s)

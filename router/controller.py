@@ -56,6 +56,7 @@ MAX_ONGOING = 1000
                   ray_actor_options={"num_cpus": 0})
 class EngineController:
     async def __init__(self, args: dict[str, Any], actor_options: dict[str, dict]) -> None:
+        _log_info("router.fleet", "router.planner_loop")
         self.config = AppConfig.from_args(args)
         self.actor_options = actor_options
         self.fleet: EngineFleet | None = None
@@ -114,3 +115,18 @@ class EngineController:
             self.planner.stop()
         if self.fleet is not None:
             self.fleet.shutdown()
+
+
+def _log_info(*names: str) -> None:
+    """Serve sets up its own loggers only: these modules' INFO lines (replicas started,
+    drained, changing roles; each planner decision and why) go to this replica's stderr,
+    which `serve run` and Ray's log files show."""
+    for name in names:
+        log = logging.getLogger(name)
+        if not log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: "
+                                                   "%(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+            log.propagate = False

@@ -125,15 +125,15 @@ class PlannerLoop:
         """Decide on the samples since the last tick, and start the change (if any)."""
         now = time.monotonic() if now is None else now
         samples, self._samples = list(self._samples), collections.deque(maxlen=MAX_SAMPLES)
-        stats = self._stats(samples)
+        loads = self._loads()
+        stats = self._stats(samples, loads)
         if self._change is not None and not self._change.done():
             decision = Decision(Action.HOLD, "the last change is still being made", stats)
         else:
             self.planner.predict = self._predict(samples)
             decision = self.planner.decide(stats, now)
         record = PlanRecord(time.time(), str(decision.action), decision.reason,
-                            {k: getattr(stats, k) for k in IntervalStats.__slots__},
-                            self._loads())
+                            {k: getattr(stats, k) for k in IntervalStats.__slots__}, loads)
         self.counts[record.action] += 1
         self.log.append(record)
         logger.info("planner: %s: %s", record.action, record.reason)
@@ -141,16 +141,22 @@ class PlannerLoop:
             self._change = asyncio.get_running_loop().create_task(self._apply(decision.action))
         return record
 
-    def _stats(self, samples: list[LatencySample]) -> IntervalStats:
+    def _stats(self, samples: list[LatencySample], loads: dict[str, dict[str, float]]
+               ) -> IntervalStats:
         p, d = (self.fleet.targets.get(PREFILL, 0), self.fleet.targets.get(DECODE, 0))
+        pool = lambda role, key: loads.get(role, {}).get(key, math.nan)  # noqa: E731
+        engines = dict(prefill_waiting=pool(PREFILL, "waiting"),
+                       decode_waiting=pool(DECODE, "waiting"),
+                       prefill_kv_usage=pool(PREFILL, "kv_usage"),
+                       decode_kv_usage=pool(DECODE, "kv_usage"))
         if not samples:
-            return IntervalStats(p, d, math.nan, math.nan, 0)
+            return IntervalStats(p, d, math.nan, math.nan, 0, **engines)
         tpots = [s.tpot for s in samples if not math.isnan(s.tpot)]
         # Requests of one token have no TPOT: they put no load on decode to measure.
         return IntervalStats(p, d, float(np.percentile([s.ttft for s in samples],
                                                        self.percentile)),
                              float(np.percentile(tpots, self.percentile)) if tpots else 0.0,
-                             len(samples))
+                             len(samples), **engines)
 
     def _predict(self, samples: list[LatencySample]) -> Predict | None:
         if self.predictor is None or not samples:

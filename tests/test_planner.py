@@ -34,6 +34,23 @@ def test_a_spent_budget_flips_an_engine_from_the_pool_with_headroom():
     assert decide(3, 1, ttft=2.0, tpot=0.01, budget=4) is Action.HOLD
 
 
+def test_quiet_engines_of_the_other_pool_give_one_up_when_both_slos_are_missed():
+    """Live pools: both objectives missed, no GPU to add. The pool further over gets an
+    engine from the other only if that pool's engines queue nothing and use under
+    `headroom` of their KV (its miss has another cause); unknown loads (the replay) hold."""
+    planner = lambda: Planner(PlannerSettings(**SLO, gpu_budget=4))  # noqa: E731
+    idle_decode = dict(decode_waiting=0, decode_kv_usage=0.3, prefill_waiting=3,
+                       prefill_kv_usage=0.8)
+    stats = IntervalStats(1, 3, 9.0, 0.07, 40, **idle_decode)
+    decision = planner().decide(stats, now=0.0)
+    assert decision.action is Action.FLIP_TO_PREFILL
+    assert "engines queue nothing" in decision.reason
+    busy_decode = {**idle_decode, "decode_waiting": 2}
+    assert planner().decide(IntervalStats(1, 3, 9.0, 0.07, 40, **busy_decode),
+                            now=0.0).action is Action.HOLD
+    assert planner().decide(IntervalStats(1, 3, 9.0, 0.07, 40), now=0.0).action is Action.HOLD
+
+
 def test_tensor_parallel_instances_count_their_gpus_against_the_budget():
     assert decide(1, 1, ttft=2.0, tpot=0.04, budget=4, gpus_per_instance=2) is Action.HOLD
     assert decide(1, 1, ttft=2.0, tpot=0.04, budget=6, gpus_per_instance=2) is \
