@@ -11,10 +11,11 @@ pool sizes, and returns one Decision (an Action and why):
     TPOT over its SLO, TTFT within     → more decode: the mirror image
     both over                          → add to the pool further over its SLO, if room, else
                                           flip to it if the other's engines are quiet
-    both well within (under `headroom` × SLO) for `calm_intervals` intervals in a row
-                                       → REMOVE the pool with more slack (down to its min),
-                                          unless `predict` (from a profile) says the smaller
-                                          pools would miss an SLO on this interval's load
+    both met, one well within (under `headroom` × its SLO), for `calm_intervals` intervals
+    in a row                           → REMOVE from the pool well within (the one with more
+                                          slack if both are; down to its min), unless
+                                          `predict` (from a profile) says the smaller pools
+                                          would miss an SLO on this interval's load
     otherwise, or within `cooldown_s` of the last change, or no requests → HOLD
 
 One change per decision, then a cooldown: a new engine takes a while to load and the next
@@ -120,7 +121,7 @@ class Planner:
     def __init__(self, settings: PlannerSettings, predict: Predict | None = None) -> None:
         self.settings, self.predict = settings, predict
         self.changed_at = -math.inf
-        self.calm = 0           # intervals in a row with both pools well within their SLOs
+        self.calm = 0           # intervals in a row with both SLOs met, one well within
 
     def decide(self, stats: IntervalStats, now: float) -> Decision:
         decision = self._decide(stats, now)
@@ -137,7 +138,9 @@ class Planner:
         if s.requests == 0 or math.isnan(s.ttft) or math.isnan(s.tpot):
             return hold("no finished requests this interval")
         ttft, tpot = s.ttft / cfg.ttft_s, s.tpot / cfg.tpot_s     # 1.0: exactly at the SLO
-        self.calm = self.calm + 1 if max(ttft, tpot) < cfg.headroom else 0
+        # Calm: both objectives met and at least one pool well within (room to give back).
+        self.calm = self.calm + 1 if max(ttft, tpot) <= 1 and min(ttft, tpot) < cfg.headroom \
+            else 0
         figures = f"TTFT {s.ttft * 1e3:.0f} ms ({ttft:.2f}x SLO), TPOT {s.tpot * 1e3:.1f} ms " \
                   f"({tpot:.2f}x SLO), {s.num_prefill}P{s.num_decode}D"
         room = (s.num_prefill + s.num_decode + 1) * cfg.gpus_per_instance <= cfg.gpu_budget
@@ -154,7 +157,7 @@ class Planner:
         if self.calm >= cfg.calm_intervals:
             return self._shrink(s, ttft, tpot, figures)
         if self.calm:
-            return hold(f"well within the SLOs for {self.calm} of {cfg.calm_intervals} "
+            return hold(f"room to give back for {self.calm} of {cfg.calm_intervals} "
                         f"intervals before a removal: {figures}")
         return hold(f"within the SLOs: {figures}")
 
@@ -182,7 +185,8 @@ class Planner:
         vetoed = []
         # The pool with more slack gives one back, if it may (and the prediction agrees).
         for role in (("prefill", "decode") if ttft <= tpot else ("decode", "prefill")):
-            if getattr(s, f"num_{role}") <= getattr(cfg, f"min_{role}"):
+            ratio = ttft if role == "prefill" else tpot
+            if ratio >= cfg.headroom or getattr(s, f"num_{role}") <= getattr(cfg, f"min_{role}"):
                 continue
             p, d = s.num_prefill - (role == "prefill"), s.num_decode - (role == "decode")
             if self.predict is not None:
@@ -191,7 +195,8 @@ class Planner:
                     vetoed.append(f"{p}P{d}D would miss (predicted TTFT {t * 1e3:.0f} ms, "
                                   f"TPOT {o * 1e3:.1f} ms)")
                     continue
+            short = "TTFT" if role == "prefill" else "TPOT"
             return Decision(Action(f"remove_{role}"),
-                            f"both well within the SLOs: {figures}", s)
-        why = "; ".join(vetoed) if vetoed else "pools at their minimum"
-        return Decision(Action.HOLD, f"well within the SLOs, but {why}: {figures}", s)
+                            f"both SLOs met, {short} well within: {figures}", s)
+        why = "; ".join(vetoed) if vetoed else "the pools with room are at their minimum"
+        return Decision(Action.HOLD, f"room to give back, but {why}: {figures}", s)

@@ -129,11 +129,19 @@ def colocated_texts(results: list[dict]) -> list[str]:
 
 
 def test_pools_follow_a_shifting_load_with_role_flips(server: str):
+    began = time.monotonic()
     decode_heavy = drive(server, DECODE_HEAVY, 0, lambda t: t.get("decode", 0) >= 3, PHASE_S)
-    after_decode_heavy = targets(server)
+    after_decode_heavy, first_s = targets(server), time.monotonic() - began
     prompt_heavy = drive(server, PROMPT_HEAVY, 10**6,
                          lambda t: t.get("prefill", 0) >= 2, PHASE_S)
+    second_s = time.monotonic() - began - first_s
     log = planner_log()
+    print(json.dumps({"decode_heavy": {"seconds": round(first_s, 1),
+                                       "requests": len(decode_heavy)},
+                      "prompt_heavy": {"seconds": round(second_s, 1),
+                                       "requests": len(prompt_heavy)},
+                      "decisions": [f"{r.action}: {r.reason} -> {r.applied}" for r in log
+                                    if r.action != "hold"]}, indent=1))
     assert after_decode_heavy == {"prefill": 1, "decode": 3}, describe(log)
     assert targets(server)["prefill"] >= 2, describe(log)
     results = decode_heavy + prompt_heavy

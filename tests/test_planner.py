@@ -57,18 +57,21 @@ def test_tensor_parallel_instances_count_their_gpus_against_the_budget():
         Action.ADD_PREFILL
 
 
-def test_both_pools_with_slack_give_one_back_down_to_their_minimum():
+def test_a_pool_with_slack_gives_one_back_down_to_its_minimum():
     calm = dict(calm_intervals=1)
     assert decide(2, 3, ttft=0.1, tpot=0.02, **calm) is Action.REMOVE_PREFILL   # more slack
     assert decide(2, 3, ttft=0.4, tpot=0.005, **calm) is Action.REMOVE_DECODE
     assert decide(1, 3, ttft=0.1, tpot=0.02, **calm) is Action.REMOVE_DECODE  # prefill at min
     assert decide(1, 1, ttft=0.1, tpot=0.02, **calm) is Action.HOLD
-    assert decide(2, 2, ttft=0.8, tpot=0.02, **calm) is Action.HOLD   # within, not slack
+    # One pool well within, the other only within: the one with room gives an engine back.
+    assert decide(2, 2, ttft=0.8, tpot=0.02, **calm) is Action.REMOVE_DECODE
+    assert decide(2, 2, ttft=0.2, tpot=0.04, **calm) is Action.REMOVE_PREFILL
+    assert decide(2, 2, ttft=0.8, tpot=0.04, **calm) is Action.HOLD   # within, no room
 
 
 def test_a_removal_waits_for_calm_intervals_in_a_row():
     planner = Planner(PlannerSettings(**SLO, gpu_budget=8, calm_intervals=3, cooldown_s=0))
-    quiet, busy = IntervalStats(2, 2, 0.1, 0.01, 50), IntervalStats(2, 2, 0.8, 0.01, 50)
+    quiet, busy = IntervalStats(2, 2, 0.1, 0.01, 50), IntervalStats(2, 2, 0.8, 0.04, 50)
     assert [planner.decide(quiet, now=t).action for t in (1, 2)] == [Action.HOLD] * 2
     assert planner.decide(busy, now=3).action is Action.HOLD      # not calm: starts over
     assert [planner.decide(quiet, now=t).action for t in (4, 5, 6)] == \
