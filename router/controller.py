@@ -42,7 +42,8 @@ from typing import Any
 from ray import serve
 
 from router.app_config import AppConfig
-from router.fleet import EngineFleet, RoleChange
+from router.fleet import EngineFleet
+from router.pool_changes import RoleChange
 from router.membership import Membership, ModelInfo
 from router.planner_loop import LatencySample, PlannerLoop, PlannerView, PlanRecord
 

@@ -20,14 +20,8 @@ A slot is a (role, replica id); its states are ReplicaState's (router/membership
     restart    (supervised) a DEAD slot gets a new actor (PENDING) after a backoff that
                doubles with each death soon after a start, RESTART_BACKOFF_S to
                MAX_BACKOFF_S; a replica that served STABLE_AFTER_S starts over at the base
-    drain      DRAINING: routers stop sending it requests; once it runs and holds nothing
-               (or at the timeout) it is killed → RETIRED, and never restarted; its pool's
-               target shrinks by one (the planner's removal, or an operator's)
-    add        a new slot of a role (the next unused replica id) → spawn; the target grows
-    flip       DRAINING until idle, then the actor changes roles (EngineActor.set_role, the
-               model kept loaded) → RETIRED, and a new slot of the other role adopts the
-               same actor → STARTING → joins the KV handoff → READY. Still busy at the
-               timeout: back to READY, nothing changed
+    changes    drain, add, flip (router/pool_changes.py): pools resized and engines moved
+               between roles, no request failing
 Every change of a slot's state or actor bumps the version and wakes `membership` long polls.
 """
 from __future__ import annotations
@@ -46,19 +40,18 @@ from ray.exceptions import RayActorError, RayTaskError
 from actors.messages import DECODE, PREFILL, ReplicaLoad
 from router.membership import EngineMember, Membership, ReplicaState, check_transition
 from router.placement import RAY_PENDING_STATES, ray_actor_state, unplaced_reason
+from router.pool_changes import PoolChanges, short_reason as _reason
 
 logger = logging.getLogger(__name__)
 
 PLACEMENT_CHECK_S = 2.0
 UNPLACED_REPORT_S = 5.0       # "within seconds": well inside the 30 s a user waits at most
 HEALTH_PERIOD_S = 1.0
-HEALTH_TIMEOUT_S = 10.0       # a busy engine's event loop still answers within this
+HEALTH_TIMEOUT_S = PoolChanges.answer_timeout_s  # a busy engine's event loop answers within
 HEALTH_FAILURES = 3
 RESTART_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
 STABLE_AFTER_S = 60.0
-DRAIN_GRACE_S = 2.0           # routers see a membership change within a long poll's wake-up
-DRAIN_POLL_S = 0.25
 
 
 @dataclass(eq=False)
@@ -94,19 +87,7 @@ class _Slot:
                             self.detail)
 
 
-@dataclass(frozen=True, slots=True)
-class RoleChange:
-    """One replica's change of roles, as `flip` made it."""
-
-    old: tuple[str, int]            # its slot before (RETIRED)
-    new: tuple[str, int]            # its slot after
-    actor_id: str                   # the same actor in both
-    idle: ReplicaLoad               # its report once drained (its prefix cache still full)
-    switched: ReplicaLoad           # its report at the switch: the KV pool empty
-    seconds: float                  # from drained to switched
-
-
-class EngineFleet:
+class EngineFleet(PoolChanges):
     """See the module docstring. `spawn(role, replica_id)` makes a new actor for a slot (None
     for a fleet of adopted actors, which cannot restart any)."""
 
@@ -124,7 +105,7 @@ class EngineFleet:
         self._join_lock: asyncio.Lock | None = None
         self._supervisor: asyncio.Task | None = None
         self.started = False
-        self.role_changes: list[RoleChange] = []
+        self.role_changes: list = []      # RoleChange (router/pool_changes.py), in order
 
     @classmethod
     def for_app(cls, config: Any, engine: Any, actor_options: Mapping[str, dict[str, Any]],
@@ -223,100 +204,6 @@ class EngineFleet:
         if self.supervise and (self._supervisor is None or self._supervisor.done()):
             self._supervisor = loop.create_task(self._supervise())
         self.started = True
-
-    async def drain(self, role: str, replica_id: int, timeout_s: float = 600.0) -> Membership:
-        """Stop routing to a replica, wait until it runs and holds nothing (at most
-        `timeout_s`), stop it: RETIRED. The pool's target shrinks by one."""
-        slot = self.slots[(role, replica_id)]
-        if slot.state is not ReplicaState.RETIRED:
-            self.targets[role] = max(0, self.targets.get(role, 0) - 1)
-        await self._wait_idle(slot, "draining: no new requests", timeout_s)
-        self._kill(slot)
-        if slot.task is not None:
-            slot.task.cancel()
-        if slot.state is not ReplicaState.RETIRED:
-            self._set(slot, ReplicaState.RETIRED, "drained and stopped")
-        return self.membership()
-
-    def add(self, role: str) -> tuple[str, int]:
-        """A new replica of `role` (a new actor, placed by Ray: on a cluster with an
-        autoscaler, a node is added when none has room); the pool's target grows by one."""
-        slot = self._new_slot(role, dict(self.resources.get(role, {})))
-        self._spawn(slot)
-        return slot.key
-
-    async def flip(self, role: str, replica_id: int, timeout_s: float = 600.0
-                   ) -> tuple[str, int] | None:
-        """Move a READY replica to the other role without reloading its model: routers stop
-        sending it `role` work (DRAINING), it finishes what it has (at most `timeout_s`; a
-        replica still busy then goes back to READY, and None is returned), it switches
-        (EngineActor.set_role: its KV pool emptied) and its slot is RETIRED; a new slot of
-        the other role adopts the same actor and joins the KV handoff like a started one.
-        Returns the new slot's key."""
-        slot = self.slots[(role, replica_id)]
-        other = DECODE if role == PREFILL else PREFILL
-        new_id = self._next_id(other)
-        idle = await self._wait_idle(slot, f"changing to {other}-{new_id}: no new "
-                                     f"{role} requests", timeout_s)
-        began = time.monotonic()
-        if slot.state is not ReplicaState.DRAINING:
-            return None                              # it died meanwhile: the supervisor has it
-        try:
-            if idle is None:
-                raise RuntimeError(f"still busy after {timeout_s:g} s")
-            switched = await asyncio.wait_for(slot.actor.set_role.remote(other, new_id),
-                                              HEALTH_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - keep serving the old role
-            logger.warning("engine replica %s did not change roles: %s", slot.name, _reason(e))
-            self._set(slot, ReplicaState.READY, f"role change abandoned: {_reason(e)}")
-            return None
-        actor, actor_id = slot.actor, slot.actor_id
-        self.targets[role] = max(0, self.targets.get(role, 0) - 1)
-        slot.actor = None                            # the new slot owns it now
-        self._set(slot, ReplicaState.RETIRED, f"now {other}-{new_id} (same actor)")
-        new = self._new_slot(other, slot.resources, new_id)
-        new.actor, new.actor_id, new.load = actor, actor_id, switched
-        new.spawned_at = time.monotonic()
-        self._bump()
-        new.task = asyncio.get_running_loop().create_task(self._bring_up(new))
-        self.role_changes.append(RoleChange(slot.key, new.key, actor_id, idle, switched,
-                                            time.monotonic() - began))
-        logger.info("engine replica %s is now %s (actor %s, model kept)", slot.name, new.name,
-                    actor_id)
-        return new.key
-
-    async def _wait_idle(self, slot: _Slot, detail: str, timeout_s: float
-                         ) -> ReplicaLoad | None:
-        """DRAINING (routers stop sending it requests); its load report once it runs and
-        holds nothing, None at `timeout_s` or if it stopped answering. Idleness counts only after
-        DRAIN_GRACE_S, once every router has seen DRAINING (a request routed just before may
-        not have arrived yet); held KV blocks count as work (a prefill whose KV is still on
-        its way to D, a reservation on D). The replica's own report, not the health check's
-        (an unsupervised fleet makes none)."""
-        if slot.state is ReplicaState.READY:
-            self._set(slot, ReplicaState.DRAINING, detail)
-        began = time.monotonic()
-        while slot.state is ReplicaState.DRAINING and time.monotonic() - began < timeout_s:
-            try:
-                load = await asyncio.wait_for(slot.actor.load.remote(), HEALTH_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - dead or unresponsive: nothing left to wait for
-                return None
-            if time.monotonic() - began >= DRAIN_GRACE_S and _idle(load):
-                return load
-            await asyncio.sleep(DRAIN_POLL_S)
-        return None
-
-    def _new_slot(self, role: str, resources: dict[str, Any], replica_id: int | None = None
-                  ) -> _Slot:
-        slot = _Slot(role, self._next_id(role) if replica_id is None else replica_id,
-                     dict(resources))
-        self.slots[slot.key] = slot
-        self.targets[role] = self.targets.get(role, 0) + 1
-        return slot
-
-    def _next_id(self, role: str) -> int:
-        """Replica ids are never reused: a router may still hold the old one's state."""
-        return 1 + max((i for r, i in self.slots if r == role), default=-1)
 
     def shutdown(self) -> None:
         """Stop watching and kill every engine (and the KV pool); the fleet is done."""
@@ -468,19 +355,10 @@ class EngineFleet:
                 pass
 
 
-def _idle(load: ReplicaLoad) -> bool:
-    return load.num_running == load.num_waiting == load.kv_blocks_used == 0
-
-
 def _not_ready(fleet: EngineFleet) -> str:
     return "; ".join(f"{s.name} {s.state}" + (f" ({s.detail})" if s.detail else "")
                      for s in fleet.slots.values()
                      if s.state not in (ReplicaState.READY, ReplicaState.RETIRED))
-
-
-def _reason(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[-1][:300] if text else type(e).__name__
 
 
 def _loop() -> asyncio.AbstractEventLoop | None:
