@@ -205,6 +205,18 @@ class EngineFleet(PoolChanges):
             self._supervisor = loop.create_task(self._supervise())
         self.started = True
 
+    def _new_slot(self, role: str, resources: dict[str, Any], replica_id: int | None = None
+                  ) -> _Slot:
+        slot = _Slot(role, self._next_id(role) if replica_id is None else replica_id,
+                     dict(resources))
+        self.slots[slot.key] = slot
+        self.targets[role] = self.targets.get(role, 0) + 1
+        return slot
+
+    def _next_id(self, role: str) -> int:
+        """Replica ids are never reused: a router may still hold the old one's state."""
+        return 1 + max((i for r, i in self.slots if r == role), default=-1)
+
     def shutdown(self) -> None:
         """Stop watching and kill every engine (and the KV pool); the fleet is done."""
         if self._supervisor is not None:

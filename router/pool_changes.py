@@ -44,7 +44,8 @@ class RoleChange:
 
 
 class PoolChanges:
-    """Mixed into EngineFleet: uses its slots, targets and state changes."""
+    """Mixed into EngineFleet: uses its slots, targets, and its slot bookkeeping and state
+    changes (`_new_slot`, `_next_id`, `_set`, `_spawn`, `_bring_up`, `_kill`)."""
 
     answer_timeout_s = 10.0       # the longest wait for one answer of an engine actor
 
@@ -91,17 +92,16 @@ class PoolChanges:
             switched = await asyncio.wait_for(slot.actor.set_role.remote(other, new_id),
                                               self.answer_timeout_s)
         except Exception as e:  # noqa: BLE001 - keep serving the old role
-            logger.warning("engine replica %s did not change roles: %s", slot.name, short_reason(e))
+            logger.warning("engine replica %s did not change roles: %s", slot.name,
+                           short_reason(e))
             self._set(slot, ReplicaState.READY, f"role change abandoned: {short_reason(e)}")
             return None
-        actor, actor_id = slot.actor, slot.actor_id
-        self.targets[role] = max(0, self.targets.get(role, 0) - 1)
-        slot.actor = None                            # the new slot owns it now
-        self._set(slot, ReplicaState.RETIRED, f"now {other}-{new_id} (same actor)")
-        new = self._new_slot(other, slot.resources, new_id)
-        new.actor, new.actor_id, new.load = actor, actor_id, switched
+        new = self._new_slot(other, slot.resources, new_id)    # the actor's new slot
+        new.actor, new.actor_id, new.load = slot.actor, slot.actor_id, switched
         new.spawned_at = time.monotonic()
-        self._bump()
+        actor_id, slot.actor = slot.actor_id, None
+        self.targets[role] = max(0, self.targets.get(role, 0) - 1)
+        self._set(slot, ReplicaState.RETIRED, f"now {other}-{new_id} (same actor)")
         new.task = asyncio.get_running_loop().create_task(self._bring_up(new))
         self.role_changes.append(RoleChange(slot.key, new.key, actor_id, idle, switched,
                                             time.monotonic() - began))
@@ -112,8 +112,8 @@ class PoolChanges:
     async def _wait_idle(self, slot: Any, detail: str, timeout_s: float
                          ) -> ReplicaLoad | None:
         """DRAINING (routers stop sending it requests); its load report once it runs and
-        holds nothing, None at `timeout_s` or if it stopped answering. Idleness counts only after
-        DRAIN_GRACE_S, once every router has seen DRAINING (a request routed just before may
+        holds nothing, None at `timeout_s` or if it stopped answering. Idleness counts only
+        after DRAIN_GRACE_S, once every router has seen DRAINING (a request routed just before may
         not have arrived yet); held KV blocks count as work (a prefill whose KV is still on
         its way to D, a reservation on D). The replica's own report, not the health check's
         (an unsupervised fleet makes none)."""
@@ -129,18 +129,6 @@ class PoolChanges:
                 return load
             await asyncio.sleep(DRAIN_POLL_S)
         return None
-
-    def _new_slot(self, role: str, resources: dict[str, Any], replica_id: int | None = None
-                  ) -> _Slot:
-        slot = _Slot(role, self._next_id(role) if replica_id is None else replica_id,
-                     dict(resources))
-        self.slots[slot.key] = slot
-        self.targets[role] = self.targets.get(role, 0) + 1
-        return slot
-
-    def _next_id(self, role: str) -> int:
-        """Replica ids are never reused: a router may still hold the old one's state."""
-        return 1 + max((i for r, i in self.slots if r == role), default=-1)
 
 
 def _idle(load: ReplicaLoad) -> bool:

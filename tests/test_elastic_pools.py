@@ -136,7 +136,8 @@ def test_pools_follow_a_shifting_load_with_role_flips(server: str):
                          lambda t: t.get("prefill", 0) >= 2, PHASE_S)
     second_s = time.monotonic() - began - first_s
     log = planner_log()
-    print(json.dumps({"decode_heavy": {"seconds": round(first_s, 1),
+    changes = controller().role_changes.remote().result(timeout_s=30)
+    print(json.dumps({"switch_seconds": [round(c.seconds, 3) for c in changes],"decode_heavy": {"seconds": round(first_s, 1),
                                        "requests": len(decode_heavy)},
                       "prompt_heavy": {"seconds": round(second_s, 1),
                                        "requests": len(prompt_heavy)},
@@ -155,7 +156,6 @@ def test_pools_follow_a_shifting_load_with_role_flips(server: str):
     assert "decode" in flip.loads and "kv_usage" in flip.loads["decode"]
 
     # The flipped replicas: same actors, one model load each, KV pool empty at the switch.
-    changes = controller().role_changes.remote().result(timeout_s=30)
     assert len(changes) >= 2
     members = controller().membership.remote().result(timeout_s=30).members
     live = {m.actor_id: m for m in members if str(m.state) == "ready"}

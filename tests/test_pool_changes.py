@@ -1,7 +1,9 @@
-"""Role changes of engine replicas (EngineActor.set_role through EngineFleet.flip), with real
-Ray actors and NIXL over host memory: a prefill replica becomes a decode one and back under
-load, with no failed request, outputs equal to colocated, the same actor and no model
-reload, its KV pool empty before the new role starts; a busy replica refuses to switch."""
+"""The fleet's pool changes (router/pool_changes.py) with real Ray actors and NIXL over host
+memory: a prefill replica becomes a decode one and back under load (EngineActor.set_role
+through EngineFleet.flip), with no failed request, outputs equal to colocated, the same
+actor and no model reload, its KV cache empty before the new role starts; a busy replica
+refuses to switch; an added decode replica joins the KV handoff and serves. (Drains:
+tests/test_disagg_actors.py; the planner making these changes: tests/test_elastic_pools.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +12,14 @@ import pytest
 
 from engine_clients import collect, prefilling
 from pd_cluster import LLM, SamplingParams
+from router.app_config import AppConfig
 from router.routing import Route
 from tiny_models import make_tiny_model
 from waiting import wait_until_async
 
 ray = pytest.importorskip("ray")
+from router.app import replica_engine  # noqa: E402
+from router.disagg_client import DisaggregatedClient  # noqa: E402
 from test_disagg_actors import load_of, shutdown, start, wait_all_free  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -99,6 +104,27 @@ def test_a_busy_replica_refuses_to_change_roles(tiny):
         outs = asyncio.run(_run(client, [list(range(5, 60))], lambda i: Route(1, 0)))
         assert outs == [LLM(tiny).generate([list(range(5, 60))], PARAMS)[0]
                         .outputs[0].token_ids]
+    finally:
+        shutdown(client)
+
+
+def test_an_added_decode_replica_joins_the_handoff_and_serves(tiny):
+    config = AppConfig.from_args({"engine": {"model": tiny, "block_size": 16},
+                                  "transport": "nixl"})
+    options = {role: {"num_cpus": 0} for role in ("prefill", "decode")}
+    client = DisaggregatedClient.start(config, replica_engine(config, tiny), options)
+    prompts = [list(range(5, 5 + 40 + 7 * i)) for i in range(3)]
+    expected = [o.outputs[0].token_ids for o in LLM(tiny).generate(prompts, PARAMS)]
+    try:
+        async def go():
+            await client.wait_ready(120)
+            key = client.fleet.add("decode")
+            client.update(await client.fleet.wait_serving(120))
+            return key, await _run(client, prompts, lambda i: Route(1, 0))
+        key, outs = asyncio.run(go())
+        assert key == ("decode", 1) and client.fleet.targets == {"prefill": 1, "decode": 2}
+        assert outs == expected
+        assert load_of(client.decode[1]).num_running == 0
     finally:
         shutdown(client)
 
