@@ -129,6 +129,14 @@ class EngineConfig(BaseModel):
     async_scheduling: bool | None = Field(None, description=(
         "plan and launch step k+1 before step k's tokens are read; null: on a GPU only (on a "
         "CPU the launch computes the step, so each output would wait one step for nothing)"))
+    quantization: Literal["fp8"] | None = Field(None, description=(
+        "fp8: FP8 (e4m3) weights, GEMMs on FP8 tensor cores with per-token activation "
+        "scales; a 16-bit checkpoint is quantized at load, an FP8 checkpoint loaded as "
+        "published; null: the checkpoint's own (an FP8 checkpoint is served as FP8)"))
+    kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description=(
+        "auto: the model's dtype; fp8: e4m3 KV with per-layer K and V scales (the "
+        "checkpoint's, else calibrated at load), half the bytes of 16-bit KV to store, read "
+        "and move from P to D"))
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
         "GPUs (ranks) one engine replica spans: heads, MLP and vocabulary split across them; "
