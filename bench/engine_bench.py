@@ -1,12 +1,14 @@
 """Single-GPU engine speed: decode step vs roofline, prefill tok/s, offline throughput.
 
     python bench/engine_bench.py [--only decode,prefill,offline] [--hf-offline] [--sync]
-        [--batches 64,128,256] [--contexts 1024,2048]
+        [--batches 64,128,256] [--contexts 1024,2048] [--quantization fp8]
+        [--kv-cache-dtype fp8]
 
 (On an 80 GB GPU batch 256 at context 2048 does not fit the KV cache: --batches 64,128.)
 
 Prints one JSON object. Roofline of a decode step = (weight bytes + KV bytes read) / this
-machine's measured device copy bandwidth (bytes read + written per second).
+machine's measured device copy bandwidth (bytes read + written per second), the bytes those of
+the configured dtypes (FP8 linear weights and KV: one byte an element).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def _sync_step(engine):
     return out
 
 
-def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float) -> dict:
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float,
+                 weight_bytes: int, kv_token_bytes: int) -> dict:
     engine, rng = llm.engine, random.Random(batch * 7 + context)
     # Room for every token until the timed steps end, so no request finishes before then
     # (prompts are admitted over several prefill steps; the first ones decode meanwhile).
@@ -68,8 +71,8 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float) -> d
         engine.abort(i)
     while engine.has_unfinished():
         engine.step()
-    kv = kv_tokens * kv_bytes_per_token(LLAMA_31_8B)
-    roofline = (params_bytes(LLAMA_31_8B) + kv) / bw
+    kv = kv_tokens * kv_token_bytes
+    roofline = (weight_bytes + kv) / bw
     return {"batch": batch, "running": running, "context": context,
             "mean_context": kv_tokens / batch, "step_ms": step_s * 1e3,
             "roofline_ms": roofline * 1e3, "ratio_to_roofline": step_s / roofline,
@@ -147,18 +150,26 @@ def main() -> None:
     ap.add_argument("--batches", default="64,128,256", help="decode batch sizes")
     ap.add_argument("--contexts", default="1024,2048", help="decode context lengths")
     ap.add_argument("--sync", action="store_true", help="async scheduling off (for comparison)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="FP8 weights (quantized at load from the dummy bf16 ones)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = ap.parse_args()
     parts = args.only.split(",")
-    res = {"device": torch.cuda.get_device_name(), "model": "llama-3.1-8b shape, dummy bf16"}
+    res = {"device": torch.cuda.get_device_name(), "model": "llama-3.1-8b shape, dummy bf16",
+           "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    weight_bytes = params_bytes(LLAMA_31_8B, 2, 1 if args.quantization == "fp8" else None)
+    kv_token_bytes = kv_bytes_per_token(LLAMA_31_8B, 1 if args.kv_cache_dtype == "fp8" else 2)
     bw = copy_bandwidth()
     res["copy_bandwidth_GBps"] = bw / 1e9
     t = time.perf_counter()
     llm = LLM(dummy_model_dir(), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
-              max_num_batched_tokens=16384, max_model_len=4096, async_scheduling=not args.sync)
+              max_num_batched_tokens=16384, max_model_len=4096, async_scheduling=not args.sync,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     res["async_scheduling"] = not args.sync
     res["engine_start_s"] = time.perf_counter() - t
     if "decode" in parts:
-        res["decode"] = [decode_steps(llm, int(b), int(c), args.steps, bw)
+        res["decode"] = [decode_steps(llm, int(b), int(c), args.steps, bw, weight_bytes,
+                                      kv_token_bytes)
                          for b in args.batches.split(",") for c in args.contexts.split(",")]
     if "prefill" in parts:
         res["prefill"] = prefill(llm)

@@ -41,13 +41,19 @@ if __name__ == "__main__":
     print(dummy_model_dir(a.shape, a.tokenizer_from))
 
 
-def params_bytes(cfg: dict, itemsize: int = 2) -> int:
-    """Bytes of weights one decode step reads (embedding rows aside: one row per token)."""
+def params_bytes(cfg: dict, itemsize: int = 2, linear_itemsize: int | None = None) -> int:
+    """Bytes of weights one decode step reads (embedding rows aside: one row per token);
+    `linear_itemsize`: of the decoder layers' linear weights when it differs (FP8: 1, their
+    per-channel float32 scales counted; the norms and lm_head keep `itemsize`)."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = h // heads
-    layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * i + 2 * h
-    return (cfg["num_hidden_layers"] * layer + v * h + h) * itemsize
+    linear = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * i
+    outputs = (heads + 2 * kv) * d + h + 2 * i + h          # one scale per output channel
+    li = itemsize if linear_itemsize is None else linear_itemsize
+    scales = 0 if linear_itemsize is None else 4 * outputs
+    layer = linear * li + scales + 2 * h * itemsize
+    return cfg["num_hidden_layers"] * layer + (v * h + h) * itemsize
 
 
 def kv_bytes_per_token(cfg: dict, itemsize: int = 2) -> int:
