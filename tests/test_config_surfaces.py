@@ -208,8 +208,8 @@ def with_value(path: FieldPath, value: Any) -> dict:
 def test_schema_property_has_the_tree_fields_choices_bounds_and_nullability(path):
     prop, field = schema_property(path), EXPOSED[path]
     inner, nullable = base_type(field.annotation)
-    if typing.get_origin(inner) is Literal:
-        assert prop["enum"] == list(typing.get_args(inner))
+    if typing.get_origin(inner) is Literal:     # null among the choices when it may be null
+        assert prop["enum"] == list(typing.get_args(inner)) + ([None] if nullable else [])
         return
     types_ = prop["type"] if isinstance(prop.get("type"), list) else [prop.get("type")]
     assert ("null" in types_) == nullable
@@ -259,7 +259,8 @@ def test_chart_default_args_are_every_exposed_field_at_the_trees_default():
 
 def test_every_value_reaches_the_arg_of_the_same_path(tmp_path):
     values = {"engine": {"maxNumBatchedTokens": 4096, "seed": 7, "cudaGraphs": False,
-                         "numKvBlocks": 64, "asyncScheduling": True, "kvCacheMemoryGb": 2.5},
+                         "numKvBlocks": 64, "asyncScheduling": True, "kvCacheMemoryGb": 2.5,
+                         "quantization": "fp8", "kvCacheDtype": "fp8"},
               "limits": {"maxQueue": 9, "requestTimeoutS": 1.5},
               "routing": {"prefillWeight": 0.5},
               "router": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5,
