@@ -5,6 +5,8 @@
     block_tables  [B, max_blocks_per_seq] int32
     seq_lens      [B] int32: context length including the new token (>= 1)
     out           [B, num_heads, head_dim]
+    kv_scale      [2] float32 (K scale, V scale) when the caches are float8_e4m3fn (values =
+                  fp8 * scale), else None (caches in q's dtype)
 
 Stage 1, grid (num_kv_heads, B, num_splits): a program takes one contiguous chunk of a
 sequence's context and all query heads of one KV head as a [BLOCK_H, head_dim] tile (group
@@ -17,6 +19,10 @@ Stage 2, grid (B, num_heads): merges a sequence's non-empty chunks by their log-
 Chunks are multiples of BLOCK_N long, so short sequences simply use fewer of them. With one
 chunk per sequence (large batches fill the GPU without splitting) stage 1 writes `out`
 directly and stage 2 is not launched: one kernel less per layer, no fp32 scratch.
+
+An fp8 cache's tiles are widened to q's dtype in stage 1; K's scale joins qk_scale and V's
+scales each chunk's output (kernels/paged.py), so stage 2 merges outputs already in value
+units. Reference: kernels/reference.py decode_attention_ref.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged import attend_paged_range
+from kernels.paged import attend_paged_range, check_kv_dtype, load_kv_scales
 
 # Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
 # 128, bench sweeps): KV bandwidth saturates once about 3.5 stage-1 programs per SM are in
@@ -51,11 +57,13 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
                                "stride_lb", "stride_lh"],
             do_not_specialize_on_alignment=["BlockTables", "SeqLens"])
 def _decode_stage1_kernel(
-    Q, KCache, VCache, BlockTables, SeqLens, PartialOut, PartialLse, qk_scale, num_splits,
+    Q, KCache, VCache, BlockTables, SeqLens, PartialOut, PartialLse, KVScale, qk_scale,
+    num_splits,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
     PartialLse is unused; stride_ps is 0."""
@@ -75,6 +83,7 @@ def _decode_stage1_kernel(
     mask_d = offs_d < HEAD_DIM
     q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    qk_scale, v_scale = load_kv_scales(KVScale, qk_scale, KV_SCALED)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -83,7 +92,7 @@ def _decode_stage1_kernel(
         kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
         PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False)
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(part + offs_d[None, :], out.to(PartialOut.dtype.element_ty),
              mask=mask_h[:, None] & mask_d[None, :])
     if not DIRECT:
@@ -140,7 +149,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 3,
+    num_warps: int = 4, num_stages: int = 3, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single query token to its paged context (module docstring).
 
@@ -153,31 +162,34 @@ def decode_attention(
     if batch == 0:
         return out
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    assert q.stride(-1) == 1 and out.stride(-1) == 1 and q.dtype == k_cache.dtype
+    assert q.stride(-1) == 1 and out.stride(-1) == 1
+    check_kv_dtype(q, k_cache, kv_scale)
     block_n = block_n or (64 if head_dim <= 128 else 32)
     block_d = triton.next_power_of_2(head_dim)
     group = num_heads // num_kv_heads
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-                BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+                BLOCK_N=block_n, KV_SCALED=kv_scale is not None, num_warps=num_warps,
+                num_stages=num_stages)
     if num_splits is None:
         max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(q.device))
     stage1 = functools.partial(
         _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,
         block_tables, seq_lens)
+    scales = seq_lens if kv_scale is None else kv_scale   # any pointer when unscaled
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0))
     qk_scale = scale * math.log2(math.e)
     if num_splits == 1:
-        stage1(out, out, qk_scale, 1, *strides, out.stride(0), out.stride(1), 0, 0, 0,
+        stage1(out, out, scales, qk_scale, 1, *strides, out.stride(0), out.stride(1), 0, 0, 0,
                DIRECT=True, **meta)
         return out
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                               device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    stage1(partial_out, partial_lse, qk_scale, num_splits, *strides, *partial_out.stride()[:3],
-           *partial_lse.stride()[:2], DIRECT=False, **meta)
+    stage1(partial_out, partial_lse, scales, qk_scale, num_splits, *strides,
+           *partial_out.stride()[:3], *partial_lse.stride()[:2], DIRECT=False, **meta)
     _decode_stage2_kernel[(batch, num_heads)](
         partial_out, partial_lse, seq_lens, out, num_splits,
         *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),

@@ -8,11 +8,30 @@ Paged layout, per layer and for K and V alike:
 A tile of BLOCK_N consecutive positions may span several blocks (BLOCK_N > block_size) or
 part of one; every position looks up its own block id, so any pairing of the two works.
 Softmax runs in base 2: callers fold log2(e) into `qk_scale`, and log-sum-exps are base 2.
+
+An fp8 (e4m3) cache holds value / scale, one K and one V scale per layer. Tiles are read as
+fp8 and widened to q's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value), and
+the scales are applied once per program by the callers: K's folded into `qk_scale` (scores
+and softmax stay fp32), V's multiplied into the finished output (`load_kv_scales`).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)   # the largest finite float8_e4m3fn: stores saturate to it
+
+
+def check_kv_dtype(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | None):
+    """A launcher's check: the cache is in q's dtype (kv_scale None), or float8_e4m3fn with
+    its [K scale, V scale] float32 tensor on the cache's device."""
+    if kv_scale is None:
+        assert q.dtype == k_cache.dtype, f"KV cache {k_cache.dtype} for q {q.dtype}"
+        return
+    assert k_cache.dtype == torch.float8_e4m3fn, f"kv_scale given for a {k_cache.dtype} cache"
+    assert kv_scale.dtype == torch.float32 and kv_scale.numel() >= 2 \
+        and kv_scale.device == k_cache.device and kv_scale.stride(-1) == 1
 
 
 @triton.jit
@@ -21,6 +40,18 @@ def paged_token_offsets(table_row, offs_n, mask_n, stride_block, stride_slot,
     """Element offsets [BLOCK_N] of positions offs_n of one sequence in a paged cache."""
     blocks = tl.load(table_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
     return blocks * stride_block + (offs_n % PAGE_SIZE) * stride_slot
+
+
+@triton.jit
+def load_kv_scales(KVScale, qk_scale, KV_SCALED: tl.constexpr):
+    """(qk_scale with K's scale folded in, V's scale) of an fp8 cache: KVScale points at
+    [K scale, V scale] fp32 (a tensor, so a CUDA graph reads the values at replay); without
+    KV_SCALED, (qk_scale, 1.0) and nothing is read."""
+    v_scale = 1.0
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(KVScale)
+        v_scale = tl.load(KVScale + 1)
+    return qk_scale, v_scale
 
 
 @triton.jit
@@ -43,8 +74,9 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
                                                  stride_slot, PAGE_SIZE)
         ptrs = rows[:, None] + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
+        # .to(q.dtype): fp8 tiles widened for tl.dot; a no-op for a cache in q's dtype.
+        k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         if BOUNDS:
             qk = tl.where(mask_n[None, :], qk, float("-inf"))

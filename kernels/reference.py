@@ -4,6 +4,8 @@ Shapes follow the kernels' docstrings:
     paged K/V cache  [num_blocks, block_size, num_kv_heads, head_dim]; slot s -> block
                      s // block_size, offset s % block_size
     queries          [T, num_heads, head_dim], flattened over sequences by query_start_loc
+    kv_scale         [2] float32 (K scale, V scale) of an fp8 (e4m3) cache: a stored value
+                     means fp8 * scale; None for a cache in the model's (16/32-bit) dtype
 """
 from __future__ import annotations
 
@@ -11,20 +13,42 @@ import torch
 import torch.nn.functional as F
 
 
+FP8_MAX = 448.0     # the largest finite float8_e4m3fn
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x / scale in float8_e4m3fn, saturated to +-448 (round to nearest even)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_ref(cache: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Tensor:
+    """A cache's values in fp32: fp8 * scale, or the values themselves (scale None)."""
+    return cache.float() if scale is None else cache.float() * scale
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale) -> torch.Tensor:
+    return quantize_fp8_ref(x, scale) if scale is not None else x.to(cache.dtype)
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write k/v [T, num_kv_heads, head_dim] to their slots; negative slots are skipped."""
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: torch.Tensor | None = None) -> None:
+    """Write k/v [T, num_kv_heads, head_dim] to their slots; negative slots are skipped.
+    With `kv_scale` the caches are fp8 and hold k / k_scale, v / v_scale (saturated)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = _to_cache(k[keep], k_cache, k_scale)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = _to_cache(v[keep], v_cache, v_scale)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                        query_start_loc: torch.Tensor, scale: float,
+                        kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention in fp32: query j of sequence i (q_len tokens, seq_len context after
-    the step) sits at position seq_len - q_len + j and sees positions 0..its own."""
+    the step) sits at position seq_len - q_len + j and sees positions 0..its own. An fp8
+    cache is read as fp8 * its scale (`kv_scale`)."""
     out = torch.empty_like(q)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -32,8 +56,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         blocks = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+        k = dequantize_ref(k_cache[blocks].flatten(0, 1)[:seq_len], k_scale)
+        v = dequantize_ref(v_cache[blocks].flatten(0, 1)[:seq_len], v_scale)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
@@ -44,11 +70,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, num_heads, head_dim] -> [B, num_heads, head_dim]."""
     query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                               scale)
+                               scale, kv_scale)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
