@@ -4,6 +4,10 @@ A decode step of a big model launches a few hundred small kernels; replaying a c
 removes their launch cost. Inputs live in static buffers that every replay reads: the runner
 copies the step's ids, positions, slots, lengths and block tables in, pads the batch up to the
 nearest captured size (padding rows write no KV: slot -1) and replays.
+
+With an fp8 KV cache the backend (pd_cluster/kv_scales.py ScaledKVBackend) passes each layer's
+scales as a view of one device tensor that never changes after load: the graphs capture its
+address, not values.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, backend: AttentionBackend,
-                 max_batch: int, max_model_len: int, block_size: int, hidden_size: int):
+                 max_batch: int, max_model_len: int, block_size: int, hidden_size: int,
+                 dtype: torch.dtype | None = None):
         dev = kv_cache.device
         self.max_model_len = max_model_len
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
@@ -31,7 +36,8 @@ class DecodeGraphs:
         self.tables = torch.zeros(max_batch, -(-max_model_len // block_size), dtype=torch.int32,
                                   device=dev)
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
-        self.out = torch.zeros(max_batch, hidden_size, dtype=kv_cache.dtype, device=dev)
+        # The hidden states, in the model's dtype (an fp8 KV cache's dtype is not it).
+        self.out = torch.zeros(max_batch, hidden_size, dtype=dtype or kv_cache.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         mempool = None
         for bs in sorted(capture_sizes(max_batch), reverse=True):  # largest first: one memory pool

@@ -23,6 +23,11 @@ class KVLayout:
     num_kv_heads) of `total_kv_heads`. With fewer KV heads than ranks several shards hold the
     same head (replicated). `total_kv_heads` 0 means num_kv_heads (an unsharded cache), and is
     normalised to it, so a layout built without the two shard fields is the whole cache.
+
+    `dtype` "float8_e4m3fn" (kv_cache_dtype fp8) comes with `kv_scales`: per layer a (K
+    scale, V scale) pair, a stored value meaning fp8 * scale (pd_cluster/kv_scales.py).
+    Both are part of what two caches must agree on: blocks of different dtypes or scales
+    mean different numbers.
     """
 
     model: str
@@ -34,8 +39,15 @@ class KVLayout:
     head_dim: int
     head_start: int = 0   # the model's index of this tensor's first KV head
     total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, i.e. unsharded)
+    kv_scales: tuple[tuple[float, float], ...] = ()   # fp8: per layer (K, V); else empty
 
     def __post_init__(self) -> None:
+        # Tuples of floats however they came (msgpack hands lists back), so layouts compare.
+        object.__setattr__(self, "kv_scales",
+                           tuple((float(k), float(v)) for k, v in self.kv_scales))
+        if self.kv_scales and len(self.kv_scales) != self.num_layers:
+            raise ValueError(f"{len(self.kv_scales)} layers of KV scales for "
+                             f"{self.num_layers} layers")
         if not self.total_kv_heads:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
         if (self.num_kv_heads < 1 or self.head_start < 0
@@ -85,8 +97,31 @@ class KVLayout:
 
     def mismatch(self, other: "KVLayout") -> str | None:
         """Why blocks cannot move between the two KV caches (None if they can); their sizes
-        and head windows may differ (the transport moves the heads both hold)."""
+        and head windows may differ (the transport moves the heads both hold). Mine first:
+        "dtype: 'bfloat16' != 'float8_e4m3fn'"."""
         mine, theirs = asdict(self), asdict(other)
-        diffs = [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine
-                 if k not in _PER_CACHE and mine[k] != theirs[k]]
+        diffs = []
+        for k in mine:
+            if k in _PER_CACHE or mine[k] == theirs[k]:
+                continue
+            if k == "dtype":
+                diffs.append(f"KV cache dtype: {self.dtype!r} != {other.dtype!r} (kv_cache_dtype "
+                             f"must be the same on both engines)")
+            elif k == "kv_scales":
+                if self.dtype == other.dtype:      # else the dtype says it all
+                    diffs.append(_scales_differ(self.kv_scales, other.kv_scales))
+            else:
+                diffs.append(f"{k}: {mine[k]!r} != {theirs[k]!r}")
         return "; ".join(diffs) or None
+
+
+def _scales_differ(mine: tuple, theirs: tuple) -> str:
+    """The first differing layer of two fp8 caches' scales, briefly (80 layers' worth would
+    drown the message)."""
+    if len(mine) != len(theirs):
+        return f"KV scales: {len(mine)} layers != {len(theirs)}"
+    layers = [i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+    i = layers[0]
+    return (f"fp8 KV scales differ in {len(layers)} of {len(mine)} layers, first layer {i}: "
+            f"(K, V) {mine[i]} != {theirs[i]} (both engines must use the same checkpoint "
+            f"scales or calibrate alike)")

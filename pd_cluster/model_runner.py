@@ -28,6 +28,7 @@ from pd_cluster.config import EngineConfig, ModelConfig
 from pd_cluster.cuda_graphs import DecodeGraphs
 from pd_cluster.forward_context import ForwardContext
 from pd_cluster.kv_layout import KVLayout
+from pd_cluster.kv_scales import FP8_DTYPE, ScaledKVBackend, calibrate, kv_scales_for
 from pd_cluster.models import ops
 from pd_cluster.models.loader import load_model
 from pd_cluster.request import PENDING_TOKEN, Request
@@ -127,11 +128,24 @@ class ModelRunner:
         self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
                                 config.load_format, config.seed)
         self.num_kv_heads = dist.kv_head_shard(model_cfg.num_kv_heads, self.tp_size, rank)[0]
+        # KV cache dtype: the model's, or fp8 with per-layer scales (pd_cluster/kv_scales.py).
+        self.kv_dtype, self.kv_scales = self.dtype, ()
+        if config.kv_cache_dtype == "fp8":
+            self.kv_dtype = FP8_DTYPE
+            self.kv_scales = kv_scales_for(self.model, lambda: self._calibrate(max_model_len),
+                                           model_cfg.num_layers)
         self.kv_layout = self._rank_layout(rank, model_name,
                                            self._agreed(self._num_blocks(max_model_len)))
         self.kv_cache = self.kv_layout.allocate(self.device)
         if self.tp_size > 1 and self.device.type == "cpu":
             self.kv_cache.share_memory_()       # rank 0's transport maps every rank's KV
+        # fp8: [num_layers, 2] float32 (K, V) on the device; the backend hands each layer its
+        # row (a fixed address that CUDA graphs capture).
+        self.kv_scale_tensor: torch.Tensor | None = None
+        if self.kv_scales:
+            self.kv_scale_tensor = torch.tensor(self.kv_scales, dtype=torch.float32,
+                                                device=self.device)
+            self.backend = ScaledKVBackend(self.backend, self.kv_cache, self.kv_scale_tensor)
         self._kv_shards: list[tuple[torch.Tensor, KVLayout]] | None = None
         self.sampler = Sampler(self.device)
         self._last_tokens: torch.Tensor | None = None    # a follower's copy of the samples
@@ -141,7 +155,7 @@ class ModelRunner:
                 and self.tp_size == 1):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend,
                                        min(config.max_num_seqs, 512), max_model_len,
-                                       self.block_size, model_cfg.hidden_size)
+                                       self.block_size, model_cfg.hidden_size, self.dtype)
 
     def _rank_layout(self, rank: int, model_name: str, num_blocks: int) -> KVLayout:
         """The KV layout of `rank`'s cache: its window of the model's KV heads."""
@@ -149,10 +163,20 @@ class ModelRunner:
         local, first = dist.kv_head_shard(m.num_kv_heads, self.tp_size, rank)
         window = {} if self.tp_size == 1 else {"head_start": first,
                                                "total_kv_heads": m.num_kv_heads}
-        return KVLayout(model=model_name, dtype=str(self.dtype).removeprefix("torch."),
+        return KVLayout(model=model_name, dtype=str(self.kv_dtype).removeprefix("torch."),
                         num_layers=m.num_layers, num_blocks=num_blocks,
                         block_size=self.block_size, num_kv_heads=local, head_dim=m.head_dim,
-                        **window)
+                        kv_scales=self.kv_scales, **window)
+
+    def _calibrate(self, max_model_len: int):
+        """Calibrated fp8 KV scales (pd_cluster/kv_scales.py), its memory given back after."""
+        m = self.model_cfg
+        scales = calibrate(self.model, m.vocab_size, m.num_layers, self.num_kv_heads,
+                           m.head_dim, self.dtype, self.device, max_model_len,
+                           self.block_size)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()    # the throwaway cache and activations: not ours to keep
+        return scales
 
     def kv_shards(self) -> list[tuple[torch.Tensor, KVLayout]]:
         """Rank 0: every rank's KV cache and its layout, in rank order (one with one rank):
@@ -208,7 +232,7 @@ class ModelRunner:
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         bytes_per_block = (2 * m.num_layers * self.block_size * self.num_kv_heads * m.head_dim
-                           * self.dtype.itemsize)
+                           * self.kv_dtype.itemsize)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of a full token budget (logits dominate at large vocab).

@@ -17,6 +17,11 @@ token and the rest are (chunked) prefills:
 
 Query token j of sequence i sits at absolute position seq_lens[i] - query_len_i + j and
 attends (causally) to every position up to and including its own.
+
+KV cache dtype: the model's, or float8_e4m3fn (`kv_cache_dtype: fp8`) with one K and one V
+scale per layer (a stored value means fp8 * scale): the backend then gets the layer's
+`kv_scale`, a [2] float32 tensor (K scale, V scale) on the cache's device
+(pd_cluster/kv_scales.py says where the scales come from).
 """
 from __future__ import annotations
 
@@ -68,5 +73,6 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,  # [2] float32 (K, V) of an fp8 cache; else None
     ) -> torch.Tensor:          # [T, num_heads, head_dim]
         ...
