@@ -260,6 +260,7 @@ class EngineFleet(PoolChanges):
 
     async def _bring_up(self, slot: _Slot) -> None:
         actor = slot.actor
+        joining = False
         try:
             first = asyncio.ensure_future(actor.load.remote())
             while True:
@@ -272,6 +273,7 @@ class EngineFleet(PoolChanges):
                 self._set(slot, ReplicaState.STARTING)
             if self.handoff is not None:
                 slot.descriptor = await actor.kv_descriptor.remote()
+                joining = True
                 async with self._lock():
                     await self.handoff.join(actor, slot.descriptor, self._peers(slot))
             if slot.actor is actor and slot.state is ReplicaState.STARTING:
@@ -281,7 +283,12 @@ class EngineFleet(PoolChanges):
         except asyncio.CancelledError:
             raise
         except (RayActorError, RayTaskError) as e:
-            if slot.actor is actor:
+            if slot.actor is actor and joining and isinstance(e, RayTaskError):
+                # The actor is alive but refused the handoff, e.g. a peer's KV layout (its
+                # dtype: kv_cache_dtype) differs: the reason, not "failed to start".
+                self._kill(slot)
+                self._died(slot, f"failed to join the KV handoff: {_reason(e)}")
+            elif slot.actor is actor:
                 self._died(slot, f"failed to start: {_reason(e)}")
         except Exception as e:  # noqa: BLE001 - e.g. the handoff could not join: retry it
             logger.exception("engine replica %s failed to join", slot.name)
