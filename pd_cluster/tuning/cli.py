@@ -38,6 +38,9 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
                    help="dummy: random weights of the model's shape (config.json only)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs of the engine measured (tune counts that many per instance)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the engine's KV cache dtype (fp8: half the KV bytes of 16-bit); the "
+                   "profile records it, with its KV bytes per token and KV capacity")
     p.add_argument("-o", "--output", default="pd-profile.json", help="profile file to write")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 on CPU, torch's choice on GPU)")
@@ -66,7 +69,8 @@ def _profile(args: argparse.Namespace) -> int:
     grid.held_out_fraction = args.held_out
     profile = run_profile(args.model, args.dtype, args.device, grid, args.threads,
                           progress=not args.quiet, load_format=args.load_format,
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          kv_cache_dtype=args.kv_cache_dtype)
     profile.save(args.output)
     for name, m in (("prefill", profile.prefill), ("decode", profile.decode)):
         terms = " + ".join(f"{c:.4g}·{f}" for c, f in zip(m.coef, m.features))
@@ -224,7 +228,7 @@ def _tune(args: argparse.Namespace) -> int:
     best = results[0]
     title = f"{profile.model.get('name')} on {_device(profile)}\n{workload.source}; {slo}"
     write_chart(results, out / "goodput_per_gpu.png", title)
-    snippets = {"pd-args.yaml": serve_args_snippet(best, limits),
+    snippets = {"pd-args.yaml": serve_args_snippet(best, limits, profile.kv_cache_dtype),
                 "helm-values.yaml": helm_values_snippet(best, limits)}
     for name, text in snippets.items():
         (out / name).write_text(text)

@@ -67,12 +67,13 @@ def default_grid(device: str) -> ProfileGrid:
 def run_profile(model: str | None = None, dtype: str = "auto", device: str = "auto",
                 grid: ProfileGrid | None = None, threads: int | None = None,
                 progress: bool = True, load_format: str = "auto",
-                tensor_parallel_size: int = 1) -> Profile:
+                tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> Profile:
     """Measure the grid through an engine on this machine and fit both latency models.
 
     `threads`: torch CPU threads; None keeps torch's choice on a GPU and uses 1 on a CPU.
     `tensor_parallel_size`: GPUs of the engine measured (the profile holds it; `tune` counts
-    that many GPUs per instance).
+    that many GPUs per instance). `kv_cache_dtype`: the engine's (auto or fp8); the profile
+    records it, and its KV bytes per token and KV capacity are that dtype's.
     """
     model = DEFAULT_MODEL if model is None else model
     probe = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format)
@@ -95,7 +96,8 @@ def run_profile(model: str | None = None, dtype: str = "auto", device: str = "au
     config = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format,
                           max_num_batched_tokens=budget, max_num_seqs=max(grid.decode_batches),
                           max_model_len=longest, enable_prefix_caching=False,
-                          tensor_parallel_size=tensor_parallel_size)
+                          tensor_parallel_size=tensor_parallel_size,
+                          kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(config)
     try:
         prefill, decode = _measure(engine, grid, clock, progress)
@@ -107,7 +109,8 @@ def run_profile(model: str | None = None, dtype: str = "auto", device: str = "au
                    engine={"block_size": config.block_size,
                            "kv_capacity_tokens": engine.kv.num_blocks * config.block_size,
                            "max_num_batched_tokens": config.max_num_batched_tokens,
-                           "tensor_parallel_size": tensor_parallel_size},
+                           "tensor_parallel_size": tensor_parallel_size,
+                           "kv_cache_dtype": kv_cache_dtype},
                    prefill=LatencyModel.fit(PREFILL_FEATURES, prefill),
                    decode=LatencyModel.fit(DECODE_FEATURES, decode))
 
@@ -232,10 +235,13 @@ def _cpu_name() -> str:
 
 
 def model_info(engine: LLMEngine) -> dict[str, object]:
-    m, dtype = engine.model_cfg, engine.runner.dtype
+    """The model's shape and dtypes; KV bytes per token in the KV cache's dtype (fp8: one
+    byte an element)."""
+    m, dtype, kv_dtype = engine.model_cfg, engine.runner.dtype, engine.runner.kv_dtype
     return {"name": os.path.basename(os.path.normpath(engine.model_dir)),
             "architecture": m.architecture, "num_layers": m.num_layers,
             "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
             "hidden_size": m.hidden_size, "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
             "kv_bytes_per_token": kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim,
-                                                     dtype.itemsize)}
+                                                     kv_dtype.itemsize)}

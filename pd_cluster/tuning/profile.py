@@ -175,10 +175,13 @@ class Profile:
     """What `pd-cluster profile` measured, and what `pd-cluster tune` simulates with."""
 
     machine: dict[str, Any]
-    model: dict[str, Any]            # name, layer/head shape, dtype, kv_bytes_per_token
+    model: dict[str, Any]            # name, layer/head shape, dtype, kv_cache_dtype (absent in
+                                     # older files: the dtype), kv_bytes_per_token (the KV
+                                     # cache's dtype: fp8 one byte an element)
     date: str
     engine: dict[str, Any]           # block_size, kv_capacity_tokens, max_num_batched_tokens,
-                                     # tensor_parallel_size (absent in older files: 1)
+                                     # tensor_parallel_size (absent in older files: 1),
+                                     # kv_cache_dtype (auto | fp8; absent in older files: auto)
     prefill: LatencyModel
     decode: LatencyModel
     serving_overhead: ServingOverhead | None = None    # None: not measured (or ignored)
@@ -190,7 +193,14 @@ class Profile:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """KV cache bytes of one token as measured (the profiled kv_cache_dtype's): what the
+        simulator moves from P to D per prompt token."""
         return int(self.model["kv_bytes_per_token"])
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The measured engine's kv_cache_dtype setting (auto | fp8)."""
+        return str(self.engine.get("kv_cache_dtype", "auto"))
 
     def prefill_time(self, sum_tokens: float, sum_sq_tokens: float) -> float:
         """A prefill step as served: the profiled one times the measured serving scale."""

@@ -65,9 +65,12 @@ def write_chart(results: list[Candidate], path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
-def serve_args_snippet(best: Candidate, limits: EngineLimits) -> str:
-    """The keys of configs/pd.yaml `applications[0].args` that the recommendation sets."""
+def serve_args_snippet(best: Candidate, limits: EngineLimits,
+                       kv_cache_dtype: str = "auto") -> str:
+    """The keys of configs/pd.yaml `applications[0].args` that the recommendation sets (the
+    profiled kv_cache_dtype too, when not auto: the KV capacity simulated was its)."""
     mode = "colocated" if best.spec.colocated else "disaggregated"
+    kv = [] if kv_cache_dtype == "auto" else [f"  kv_cache_dtype: {kv_cache_dtype}"]
     return "\n".join([
         f"# configs/pd.yaml, applications[0].args: {best.spec}",
         f"mode: {mode}",
@@ -77,6 +80,7 @@ def serve_args_snippet(best: Candidate, limits: EngineLimits) -> str:
         f"  max_num_seqs: {limits.max_num_seqs}",
         f"  max_num_batched_tokens: {limits.max_num_batched_tokens}",
         f"  tensor_parallel_size: {best.spec.gpus_per_instance}",
+        *kv,
     ]) + "\n"
 
 
