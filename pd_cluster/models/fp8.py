@@ -1,0 +1,105 @@
+"""FP8 (e4m3) linear layers' math: weights quantized per output channel, activations per token.
+
+    w        [N, K]  16-bit (or fp32) weight, as a checkpoint holds it
+    w8       [N, K]  float8_e4m3fn                 w ~ w8 * w_scale[:, None]
+    w_scale  [N]     float32, max(amax(|w[n]|) / 448, MIN_SCALE)
+    x        [T, K]  the layer's input (bf16, fp16 or fp32)
+    xq       [T, K]  float8_e4m3fn                 x ~ xq * x_scale
+    x_scale  [T, 1]  float32, max(amax(|x[t]|) / 448, MIN_SCALE), computed for every call
+    y        [T, N]  x's dtype: (xq * x_scale) @ (w8 * w_scale[:, None]).T (+ bias)
+
+On CUDA the GEMM is `torch._scaled_mm` with row-wise scales (scale_a x_scale [T, 1], scale_b
+w_scale [1, N]) on the FP8 tensor cores, and x is quantized by the Triton kernel of
+kernels/fp8_quant.py. Row-wise scales need sm89+ (Ada, Hopper), and _scaled_mm refuses K or N
+not a multiple of 16 (seen on an H100, torch 2.11): older GPUs, and layers of such shapes
+(none in real Llama-family models; the tiny test models' dims are multiples of 16 too), take
+the float32 path below, on the GPU, rather than padding: slower, but only where it is rare.
+
+On the CPU the GEMM is that float32 path: dequantize xq and w8 with their scales and multiply.
+torch 2.13's CPU `_scaled_mm` supports what we need (per-tensor and row-wise scales, float32 /
+bf16 / fp16 out, a bias), but only as an emulation doing exactly this math (its CPU
+kernel casts both operands to float32, multiplies the scales in, makes w8.T contiguous, and
+calls matmul; on a CPU with AMX it goes to oneDNN instead), and it measured about twice as
+slow as doing it here (64x2048x2048 on this machine's 2 cores: 24.7 against 13.2 ms) because of
+that copy of the weight. The results agree to float32 rounding (tests/test_fp8_weights.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0                         # e4m3's largest finite value
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)     # a row of zeros gets this scale (vLLM's floor)
+
+
+def quantize_weight(w: torch.Tensor, scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (w8 [N, K] e4m3, scale [N] float32), one scale per output row.
+
+    `scale` [N], when given, is used instead of the rows' own: a row-parallel rank quantizes
+    its columns of w with the scales of the whole rows, so that its w8 is exactly its slice
+    of the unsplit layer's."""
+    scale = row_scales(w) if scale is None else scale.float()
+    return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def row_scales(w: torch.Tensor) -> torch.Tensor:
+    """The per-row scales `quantize_weight` gives w [N, K]: [N] float32."""
+    return (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] e4m3, x_scale [T, 1] float32): dynamic, one scale per token.
+    The Triton kernel on an sm89+ GPU, else torch; the two agree bit for bit."""
+    if x.is_cuda and _fp8_gpu(x.device) and x.stride(-1) == 1:
+        kernel = _quant_kernel()
+        if kernel is not None:
+            return kernel(x)
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # Divided by a tensor: CUDA torch multiplies by the reciprocal of a Python-number divisor
+    # (not IEEE division, which the kernel does). full_like, not torch.tensor: no host copy,
+    # so a CUDA graph can capture it.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T + bias with w = w8 * w_scale[:, None] and x quantized per token (module
+    docstring). x [..., K] -> y [..., N] in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq, x_scale = quantize_per_token(x2)
+    n, k = w8.shape
+    if x.is_cuda and _fp8_gpu(x.device) and k % 16 == 0 and n % 16 == 0:
+        y = torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w_scale.view(1, n),
+                             out_dtype=x.dtype)
+    else:
+        # The exact math in float32 (the CPU path, and GPUs or shapes _scaled_mm cannot take).
+        y = ((xq.float() * x_scale) @ (w8.float() * w_scale[:, None]).t()).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], n)
+
+
+def dequantize_weight(w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """w8 * w_scale[:, None] in float32: the weight an FP8 layer multiplies by."""
+    return w8.float() * w_scale[:, None]
+
+
+@functools.cache
+def _fp8_gpu(device: torch.device) -> bool:
+    """FP8 tensor cores (sm89+): row-wise _scaled_mm and Triton's e4m3 casts."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _quant_kernel():
+    try:
+        from kernels.fp8_quant import per_token_quant
+    except ImportError:         # no Triton: torch quantizes
+        return None
+    return per_token_quant
