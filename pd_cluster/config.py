@@ -2,6 +2,7 @@
 shape read from config.json (ModelConfig)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ if TYPE_CHECKING:       # torch only where a method needs it: the config imports
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
+# Weight quantization an engine can serve (EngineConfig.quantization, ModelConfig.quantization).
+SUPPORTED_QUANTIZATION = ("fp8",)
+# Checkpoint formats of FP8 weights (config.json quantization_config.quant_method).
+FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 
 
 @dataclass(slots=True)
@@ -38,6 +43,11 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     checkpoint_dtype: str
+    # "fp8": the linear layers hold FP8 weights (an FP8 checkpoint's as published, or a 16-bit
+    # checkpoint's quantized at load); None: the model dtype. The checkpoint's own, from its
+    # quantization_config (`checkpoint_quantization`); an engine's `quantization: fp8` sets
+    # it with `with_quantization`.
+    quantization: str | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
@@ -74,7 +84,67 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            quantization=checkpoint_quantization(cfg.get("quantization_config")),
         )
+
+    def with_quantization(self, requested: str | None) -> "ModelConfig":
+        """This model as an engine with `quantization: requested` builds it: "fp8" makes the
+        linear layers FP8 (a 16-bit checkpoint is then quantized at load); None keeps the
+        checkpoint's own (an FP8 checkpoint stays FP8, as vLLM serves it)."""
+        if requested is None or requested == self.quantization:
+            return self
+        if requested not in SUPPORTED_QUANTIZATION:
+            raise ValueError(f"unsupported quantization {requested!r}; supported: "
+                             f"{', '.join(SUPPORTED_QUANTIZATION)}")
+        return dataclasses.replace(self, quantization=requested)
+
+
+def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
+    """The weight quantization of a checkpoint's config.json `quantization_config`: None for
+    none, "fp8" for FP8 weights with per-tensor or per-channel scales as published (
+    quant_method "fp8", vLLM / AutoFP8's; "compressed-tensors" with 8-bit float weights,
+    llm-compressor's). Anything else is refused with a ValueError naming it: it could not be
+    loaded (AWQ, GPTQ, bitsandbytes, int8, block-wise FP8, ...)."""
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ValueError(f"checkpoint quantization fp8 with weight_block_size "
+                             f"{qc['weight_block_size']}: block-wise FP8 is not supported "
+                             f"(per-tensor or per-channel weight scales only)")
+        return "fp8"
+    if method == "compressed-tensors":
+        _check_compressed_tensors(qc)
+        return "fp8"
+    raise ValueError(f"checkpoint quantization method {method or qc!r} is not supported; "
+                     f"supported: FP8 checkpoints (quant_method "
+                     f"{' or '.join(FP8_CHECKPOINT_METHODS)} with float8 weights), or a "
+                     f"16-bit checkpoint quantized at load (quantization: fp8)")
+
+
+def _check_compressed_tensors(qc: dict[str, Any]) -> None:
+    """A compressed-tensors config we can load: every scheme 8-bit float weights, per tensor
+    or per channel, and float (or no) input activations, stored as float8 tensors."""
+    fmt = qc.get("format")
+    if fmt not in (None, "float-quantized", "naive-quantized"):
+        raise ValueError(f"compressed-tensors format {fmt!r} is not supported (float-quantized "
+                         f"FP8 weights only)")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        if (w.get("type"), w.get("num_bits")) != ("float", 8) or \
+                w.get("strategy") not in ("tensor", "channel"):
+            raise ValueError(
+                f"compressed-tensors scheme {name!r}: {w.get('num_bits')}-bit {w.get('type')} "
+                f"weights with strategy {w.get('strategy')!r} are not supported (8-bit float "
+                f"weights, strategy tensor or channel)")
+        a = group.get("input_activations")
+        if a and (a.get("type"), a.get("num_bits")) != ("float", 8):
+            raise ValueError(f"compressed-tensors scheme {name!r}: {a.get('num_bits')}-bit "
+                             f"{a.get('type')} activations are not supported (FP8 or none)")
 
 
 DEFAULT_MODEL = "default"
@@ -146,6 +216,15 @@ class EngineConfig(BaseModel):
     def of(cls, **fields: Any) -> EngineConfig:
         """The config of these fields; a ValueError names each bad or unknown one in a line."""
         return validate_config(cls, fields, "EngineConfig")
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _known_quantization(cls, value: Any) -> Any:
+        if value is not None and value not in SUPPORTED_QUANTIZATION:
+            raise ValueError(f"unsupported quantization method {value!r}; supported: "
+                             f"{', '.join(SUPPORTED_QUANTIZATION)} (null serves the checkpoint "
+                             f"as it is: an FP8 checkpoint as FP8)")
+        return value
 
     @field_validator("block_size")
     @classmethod

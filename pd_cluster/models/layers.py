@@ -85,11 +85,12 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)): gate and up column-parallel in one matmul, down
     row-parallel, so each rank's [T, intermediate / tp] activation never leaves it."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, quantization: str | None = None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
-                                                       bias=False)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
+                                                       bias=False, quantization=quantization)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False,
+                                           quantization=quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (summed over the ranks)."""

@@ -15,6 +15,18 @@ Each parameter carries `weight_loader(param, loaded, shard_id=None)`, which copi
 slice of a full checkpoint tensor in, and `full_shape`, the shape of that full tensor (what a
 random initialisation draws so that every rank's slice belongs to one model). At tp = 1 each
 layer is the plain layer: the shapes of today, `ops.linear`, no collective, no extra copy.
+
+FP8 (`quantization="fp8"`, the four linear layers of a decoder layer; the embedding and
+lm_head stay 16-bit): `weight` is float8_e4m3fn [out, in] and `weight_scale` float32 [out],
+one scale per output channel, and the GEMM is `fp8.fp8_linear` (per-token activation
+scales). The weight loader takes either kind of checkpoint tensor:
+  - 16-bit: quantized at load, per output channel, after the rank's slice is taken: a
+    column-parallel rank's rows are whole rows, so its w8 and scales are exactly those rows
+    of the unsplit layer's; a row-parallel rank quantizes its columns with the scales of the
+    whole rows (from the full tensor every rank is handed), so its w8 is exactly its slice.
+  - FP8 (an FP8 checkpoint): copied as is; `weight_scale` then comes from the checkpoint,
+    per channel ([out] or [out, 1]) or per tensor ([] or [1], expanded over the rows; in a
+    packed layer each shard's own scale over that shard's rows).
 """
 from __future__ import annotations
 
@@ -25,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pd_cluster.distributed import all_gather, all_reduce, get_tp, kv_head_shard
-from pd_cluster.models import ops
+from pd_cluster.models import fp8, ops
 
 WeightLoader = Callable[..., None]
 
@@ -54,12 +66,37 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor,
 
 
 def _parameter(shape: Sequence[int], full_shape: Sequence[int],
-               loader: WeightLoader = default_weight_loader) -> nn.Parameter:
+               loader: WeightLoader = default_weight_loader,
+               dtype: torch.dtype | None = None) -> nn.Parameter:
     # Uninitialised: load_weights or the dummy initialisation fills every parameter.
-    p = nn.Parameter(torch.empty(tuple(shape)), requires_grad=False)
+    p = nn.Parameter(torch.empty(tuple(shape), dtype=dtype), requires_grad=False)
     p.weight_loader = loader
     p.full_shape = tuple(full_shape)
     return p
+
+
+def _is_fp8(quantization: str | None) -> bool:
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unsupported quantization {quantization!r} (fp8 or None)")
+    return quantization == "fp8"
+
+
+def _scale_rows(loaded: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's weight_scale as [rows] float32: a per-tensor scale expanded over the
+    rows, a per-channel one ([rows] or [rows, 1]) flattened."""
+    loaded = loaded.float().reshape(-1)
+    if loaded.numel() == 1:
+        return loaded.expand(rows)
+    if loaded.numel() != rows:
+        raise ValueError(f"checkpoint weight_scale of {loaded.numel()} values fits neither "
+                         f"per-tensor (1) nor per-channel ({rows}) scaling")
+    return loaded
+
+
+def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.fp8:
+        return fp8.fp8_linear(x, layer.weight, layer.weight_scale, bias)
+    return ops.linear(x, layer.weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -72,7 +109,8 @@ class ColumnParallelLinear(nn.Module):
     [shard 0's piece; shard 1's piece; ...]. `_pieces()` says which rows those are.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 quantization: str | None = None):
         super().__init__()
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.size
@@ -82,7 +120,11 @@ class ColumnParallelLinear(nn.Module):
         full = sum(p[0] for p in self.pieces)
         local = sum(p[2] for p in self.pieces)
         self.out_features = local
-        self.weight = _parameter((local, in_features), (full, in_features), self.weight_loader)
+        self.fp8 = _is_fp8(quantization)
+        self.weight = _parameter((local, in_features), (full, in_features), self.weight_loader,
+                                 fp8.FP8 if self.fp8 else None)
+        self.weight_scale = _parameter((local,), (full,), self.weight_loader,
+                                       torch.float32) if self.fp8 else None
         self.bias = _parameter((local,), (full,), self.weight_loader) if bias else None
 
     def _pieces(self, out_features: int) -> list[tuple[int, int, int]]:
@@ -95,7 +137,12 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
         """Copy this rank's rows of one shard (`shard_id`), or of every shard when `loaded` is
-        the whole packed tensor (shard_id None). Works for the weight and the bias alike."""
+        the whole packed tensor (shard_id None). Works for the weight, its scales and the bias
+        alike; a 16-bit weight of an FP8 layer is quantized (module docstring)."""
+        if param is self.weight_scale:
+            rows = (sum(p[0] for p in self.pieces) if shard_id is None
+                    else self.pieces[self._shard_index(shard_id)][0])
+            loaded = _scale_rows(loaded, rows)
         if shard_id is None and len(self.pieces) > 1:
             for i, part in enumerate(loaded.split([p[0] for p in self.pieces], dim=0)):
                 self._load_piece(param, part, i)
@@ -109,19 +156,26 @@ class ColumnParallelLinear(nn.Module):
                              f"shard {i} of a parameter of shape "
                              f"{(full,) + tuple(param.shape[1:])}")
         offset = sum(p[2] for p in self.pieces[:i])
-        param.narrow(0, offset, rows).copy_(loaded.narrow(0, start, rows))
+        piece = loaded.narrow(0, start, rows)
+        if param is self.weight and self.fp8 and piece.dtype != fp8.FP8:
+            w8, scale = fp8.quantize_weight(piece.to(param.device))
+            param.narrow(0, offset, rows).copy_(w8)
+            self.weight_scale.narrow(0, offset, rows).copy_(scale)
+            return
+        param.narrow(0, offset, rows).copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return _linear(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices of one input in one matmul (gate_up: shards 0 and 1).
     y [T, sum(out_sizes) / tp] = [piece of shard 0 | piece of shard 1 | ...]."""
 
-    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool):
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
+                 quantization: str | None = None):
         self.out_sizes = list(out_sizes)
-        super().__init__(in_features, sum(out_sizes), bias)
+        super().__init__(in_features, sum(out_sizes), bias, quantization)
 
     def _pieces(self, out_features: int) -> list[tuple[int, int, int]]:
         return [(n, self.tp_rank * _split(n, self.tp_size), _split(n, self.tp_size))
@@ -136,9 +190,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     SHARDS = ("q", "k", "v")
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool):
+                 bias: bool, quantization: str | None = None):
         self.head_dim, self.total_heads, self.total_kv_heads = head_dim, num_heads, num_kv_heads
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias,
+                         quantization)
         # This rank's counts: what its attention and its KV cache see.
         self.num_heads = self.pieces[0][2] // head_dim
         self.num_kv_heads = self.pieces[1][2] // head_dim
@@ -161,24 +216,39 @@ class RowParallelLinear(nn.Module):
     the sum of every rank's partial product, on every rank. The bias is added once, after the
     sum (adding it on each rank would count it tp times)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 quantization: str | None = None):
         super().__init__()
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.size
         self.in_features, self.in_local = in_features, _split(in_features, tp.size)
+        self.fp8 = _is_fp8(quantization)
         self.weight = _parameter((out_features, self.in_local), (out_features, in_features),
-                                 self.weight_loader)
+                                 self.weight_loader, fp8.FP8 if self.fp8 else None)
+        self.weight_scale = _parameter((out_features,), (out_features,), self.weight_loader,
+                                       torch.float32) if self.fp8 else None
         self.bias = _parameter((out_features,), (out_features,)) if bias else None
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
+        if param is self.weight_scale:      # per output row: the same on every rank
+            param.copy_(_scale_rows(loaded, param.shape[0]))
+            return
         _check_fits(param, loaded, (param.shape[0], self.in_features))
-        param.copy_(loaded.narrow(1, self.tp_rank * self.in_local, self.in_local))
+        columns = (1, self.tp_rank * self.in_local, self.in_local)   # this rank's: narrow()
+        if param is self.weight and self.fp8 and loaded.dtype != fp8.FP8:
+            # Quantized with the whole rows' scales (module docstring).
+            full = loaded.to(param.device)
+            w8, scale = fp8.quantize_weight(full.narrow(*columns), fp8.row_scales(full))
+            param.copy_(w8)
+            self.weight_scale.copy_(scale)
+            return
+        param.copy_(loaded.narrow(*columns))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return ops.linear(x, self.weight, self.bias)
-        y = all_reduce(ops.linear(x, self.weight, None))
+            return _linear(self, x, self.bias)
+        y = all_reduce(_linear(self, x, None))
         return y if self.bias is None else y + self.bias
 
 
