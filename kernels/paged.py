@@ -13,6 +13,10 @@ An fp8 (e4m3) cache holds value / scale, one K and one V scale per layer. Tiles 
 fp8 and widened to q's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value), and
 the scales are applied once per program by the callers: K's folded into `qk_scale` (scores
 and softmax stay fp32), V's multiplied into the finished output (`load_kv_scales`).
+Measured on an H100 (bf16 q, 32 heads, 8 KV heads, head_dim 128, block 16): decode over fp8
+KV took 339 / 293 / 184 us against bf16's 364 / 372 / 190 us at 64 x 4096, 256 x 1024 and
+8 x 16384 tokens of context: half the bytes, but not half the time (bf16 already ran at
+~2.9 TB/s; widening the tiles costs). An fp8 tensor-core dot (q quantized) is left to try.
 """
 from __future__ import annotations
 
