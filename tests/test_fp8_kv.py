@@ -62,11 +62,13 @@ def quantized(cache: torch.Tensor, scale: float) -> torch.Tensor:
     return quantize_fp8_ref(cache, scale)
 
 
-def assert_fp8_close(got: torch.Tensor, want: torch.Tensor, scale: float) -> None:
-    """Same e4m3 values but for rounding ties (at most one step apart on a few elements)."""
+def assert_fp8_close(got: torch.Tensor, want: torch.Tensor, scale: float,
+                     same: float = 0.99) -> None:
+    """The same e4m3 values but where x was computed in another order (at most one step
+    apart, on under 1 - `same` of the elements)."""
     g, w = got.float() * scale, want.float() * scale
     assert torch.all((g - w).abs() <= w.abs() / 8 + 2.0 ** -9 * scale)
-    assert (got.view(torch.uint8) == want.view(torch.uint8)).float().mean() > 0.99
+    assert (got.view(torch.uint8) == want.view(torch.uint8)).float().mean() > same
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +89,10 @@ def test_store_writes_value_over_scale_saturated_and_skips_padding():
     slots[5] = -1
     k_cache, v_cache = (torch.zeros(3, bs, kv_heads, head_dim, device=DEVICE, dtype=FP8_DTYPE)
                         for _ in range(2))
-    ref_q, ref_k = rope_ref(q, k, positions, cos_sin)
+    ref_q, _ = rope_ref(q, k, positions, cos_sin)
+    # The kernel quantizes its fp32 rotation: so does the reference (rope_ref rounds to the
+    # model dtype first, which in bf16 moved 1.5% of K's e4m3 values by a step on an H100).
+    _, ref_k = rope_ref(q.float(), k.float(), positions, cos_sin)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     store_kv_ref(ref_k, v, ref_k_cache, ref_v_cache, slots, KV_SCALE)
     rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots, KV_SCALE)
@@ -178,7 +183,8 @@ def test_backends_store_and_attend_fp8_alike(cached, new):
                            head_dim ** -0.5)
     out = triton_be.forward(q, k, v, positions, rope, kv[1][0], kv[1][1], meta,
                             head_dim ** -0.5)
-    assert_fp8_close(kv[1, 0], ref_kv[1, 0], K_SCALE)
+    # The torch backend rotates K in the model dtype before quantizing (bf16: more steps).
+    assert_fp8_close(kv[1, 0], ref_kv[1, 0], K_SCALE, 0.99 if INTERPRETED else 0.95)
     assert_fp8_close(kv[1, 1], ref_kv[1, 1], V_SCALE)
     assert torch.equal(kv[0].view(torch.uint8), ref_kv[0].view(torch.uint8))  # layer 0 intact
     torch.testing.assert_close(out, ref, atol=TOL * 10, rtol=TOL * 10)
@@ -223,6 +229,18 @@ def test_calibration_is_deterministic_and_gives_powers_of_two(tiny, fp8_llm):
     assert runner.kv_scale_tensor.tolist() == [list(p) for p in runner.kv_scales]
     again = LLM(tiny, kv_cache_dtype="fp8", num_kv_blocks=8, max_model_len=200)
     assert again.engine.kv_layout.kv_scales == layout.kv_scales
+
+
+def test_tensor_parallel_ranks_calibrate_the_same_scales(tiny, fp8_llm):
+    """Two gloo ranks, each with one of the two KV heads: the max over the ranks, so the
+    scales (and the tokens) are tp = 1's."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = [list(range(5, 70))]
+    with LLM(tiny, kv_cache_dtype="fp8", num_kv_blocks=32, tensor_parallel_size=2) as tp2:
+        assert [lay.kv_scales for _, lay in tp2.engine.kv_shards()] == \
+            [fp8_llm.engine.kv_layout.kv_scales] * 2
+        got = tp2.generate(prompt, params)[0].outputs[0].token_ids
+    assert got == fp8_llm.generate(prompt, params)[0].outputs[0].token_ids
 
 
 def test_checkpoint_scales_are_used_as_given(tiny, monkeypatch):
