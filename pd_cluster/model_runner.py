@@ -126,7 +126,7 @@ class ModelRunner:
         self._torch_base = torch.cuda.memory_reserved(self.device) \
             if self.device.type == "cuda" else 0
         self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
-                                config.load_format, config.seed)
+                                config.load_format, config.seed, config.quantization)
         self.num_kv_heads = dist.kv_head_shard(model_cfg.num_kv_heads, self.tp_size, rank)[0]
         # KV cache dtype: the model's, or fp8 with per-layer scales (pd_cluster/kv_scales.py).
         self.kv_dtype, self.kv_scales = self.dtype, ()
