@@ -1,6 +1,7 @@
 """Where a decode step's time goes on GPU: wall time vs GPU kernel time, and top kernels.
 
-    python bench/profile_decode.py [--batch 64[,128,...]] [--context 1024]
+    python bench/profile_decode.py [--batch 64[,128,...]] [--context 1024] [--quantization fp8]
+        [--kv-cache-dtype fp8]
 
 Prints JSON: per-step wall ms, per-step CUDA kernel ms (sum of kernel durations), the host
 time spent in `engine.step()`, and the ten kernels with the most time. With async scheduling
@@ -29,10 +30,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sync", action="store_true", help="async_scheduling off")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = ap.parse_args()
     llm = LLM(dummy_model_dir(), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, max_model_len=4096,
-              async_scheduling=not args.sync)
+              async_scheduling=not args.sync, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     results = [profile_batch(llm.engine, int(b), args.context, args.steps)
                for b in args.batch.split(",")]
     print(json.dumps(results[0] if len(results) == 1 else results, indent=1))
