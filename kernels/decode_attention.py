@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged import attend_paged_range, check_kv_dtype, load_kv_scales
+from kernels.paged import attend_paged_range, check_kv_dtype, dot_dtype, load_kv_scales
 
 # Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
 # 128, bench sweeps): KV bandwidth saturates once about 3.5 stage-1 programs per SM are in
@@ -84,6 +84,7 @@ def _decode_stage1_kernel(
     q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     qk_scale, v_scale = load_kv_scales(KVScale, qk_scale, KV_SCALED)
+    q = dot_dtype(q, KV_SCALED)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)

@@ -59,6 +59,16 @@ def load_kv_scales(KVScale, qk_scale, KV_SCALED: tl.constexpr):
 
 
 @triton.jit
+def dot_dtype(q, KV_SCALED: tl.constexpr):
+    """q in the dtype the tiles are widened to: float16 for an fp8 cache (e4m3 → f16 is one
+    conversion instruction per pair of values on sm89+; e4m3 → bf16 goes through f32, which
+    made an fp8 decode as slow as a bf16 one on an H100), else q's own dtype."""
+    if KV_SCALED:
+        return q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset,
                        start, end, qk_scale, stride_block, stride_slot, offs_d, mask_d,
                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr,
@@ -78,7 +88,8 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
                                                  stride_slot, PAGE_SIZE)
         ptrs = rows[:, None] + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        # .to(q.dtype): fp8 tiles widened for tl.dot; a no-op for a cache in q's dtype.
+        # .to(q.dtype): fp8 tiles widened for tl.dot (callers pass q as float16 then, see
+        # dot_dtype); a no-op for a cache in q's dtype.
         k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * qk_scale

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged import attend_paged_range, check_kv_dtype, load_kv_scales
+from kernels.paged import attend_paged_range, check_kv_dtype, dot_dtype, load_kv_scales
 
 
 # stride_bt (the block table's width: the batch's longest context) changes from step to
@@ -60,6 +60,7 @@ def _prefill_kernel(
     q = tl.load(Q + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     qk_scale, v_scale = load_kv_scales(KVScale, qk_scale, KV_SCALED)
+    q = dot_dtype(q, KV_SCALED)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -48,7 +48,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention in fp32: query j of sequence i (q_len tokens, seq_len context after
     the step) sits at position seq_len - q_len + j and sees positions 0..its own. An fp8
-    cache is read as fp8 * its scale (`kv_scale`)."""
+    cache is read as fp8 * its scale (`kv_scale`), against q rounded to float16 as the
+    kernels do (their tiles are widened to float16, kernels/paged.py dot_dtype)."""
     out = torch.empty_like(q)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -60,7 +61,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = dequantize_ref(k_cache[blocks].flatten(0, 1)[:seq_len], k_scale)
         v = dequantize_ref(v_cache[blocks].flatten(0, 1)[:seq_len], v_scale)
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        qs = q[start:end] if kv_scale is None else q[start:end].to(torch.float16)
+        scores = torch.einsum("qhd,khd->hqk", qs.float(), k) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))

@@ -54,6 +54,9 @@ from waiting import wait_until  # noqa: E402
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
 TOL = 1e-4 if INTERPRETED else 2e-2
+# The attention kernels round each tile's probabilities to float16 for the P x V dot (the
+# reference keeps them in fp32): relative error up to 2^-11 of each weight.
+ATTN_TOL = 1e-3 if INTERPRETED else 2e-2
 K_SCALE, V_SCALE = 0.03125, 0.015625     # unit-variance values reach 448 at 14 and 7
 KV_SCALE = torch.tensor([K_SCALE, V_SCALE], dtype=torch.float32, device=DEVICE)
 
@@ -128,7 +131,7 @@ def test_decode_kernel_reads_fp8_times_scale(num_splits):
     out = decode_attention(q, k8, v8, table, lens, scale, max(seq_lens), block_n=16,
                            num_splits=num_splits, kv_scale=KV_SCALE)
     ref = decode_attention_ref(q, k8, v8, table, lens, scale, KV_SCALE)
-    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out, ref, atol=ATTN_TOL, rtol=ATTN_TOL)
     exact = decode_attention_ref(q, k, v, table, lens, scale)
     assert_near_exact(out, exact, v)
 
@@ -146,7 +149,7 @@ def test_prefill_kernel_reads_fp8_times_scale():
     out = prefill_attention(q, k8, v8, table, lens, starts, max(q_lens), scale, block_m=16,
                             block_n=16, kv_scale=KV_SCALE)
     ref = paged_attention_ref(q, k8, v8, table, lens, starts, scale, KV_SCALE)
-    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out, ref, atol=ATTN_TOL, rtol=ATTN_TOL)
     exact = paged_attention_ref(q, k, v, table, lens, starts, scale)
     assert_near_exact(out, exact, v)
 

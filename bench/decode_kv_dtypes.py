@@ -1,0 +1,51 @@
+"""Paged decode attention over a bf16 cache against an fp8 one, same shapes (Llama-3.1-8B
+attention: 32 query heads, 8 KV heads, head_dim 128, block 16); prints one JSON object.
+
+    PYTHONPATH=. python bench/decode_kv_dtypes.py [--cases 64x2048,128x2048]
+
+Times are medians of triton.testing.do_bench; GB/s counts the K and V bytes the batch reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.decode_attention import decode_attention  # noqa: E402
+
+
+def case(batch: int, context: int, fp8: bool) -> dict:
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    blocks = batch * context // block
+    k = torch.randn(blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    scale = torch.tensor([0.05, 0.05], device="cuda") if fp8 else None
+    if fp8:
+        k, v = (k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn)
+    table = torch.arange(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ms = triton.testing.do_bench(lambda: decode_attention(
+        q, k, v, table, lens, dim ** -0.5, context, out=out, kv_scale=scale))
+    nbytes = 2 * k.numel() * k.element_size()
+    return {"batch": batch, "context": context, "kv": "fp8" if fp8 else "bf16",
+            "ms": ms, "GBps": nbytes / ms / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="64x2048,128x2048,256x1024")
+    args = ap.parse_args()
+    rows = [case(*map(int, c.split("x")), fp8) for c in args.cases.split(",")
+            for fp8 in (False, True)]
+    print(json.dumps({"device": torch.cuda.get_device_name(), "decode": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
