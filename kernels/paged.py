@@ -63,8 +63,8 @@ def dot_dtype(q, KV_SCALED: tl.constexpr):
     """q in the dtype the tiles are widened to: float16 for an fp8 cache (e4m3 → f16 is one
     conversion instruction per pair of values on sm89+; e4m3 → bf16 goes through f32, which
     made an fp8 decode as slow as a bf16 one on an H100), else q's own dtype."""
-    if KV_SCALED:
-        return q.to(tl.float16)
+    if KV_SCALED:       # a constexpr branch: one return (Triton types both returns alike)
+        q = q.to(tl.float16)
     return q
 
 
