@@ -1,7 +1,7 @@
 """Paged decode attention over a bf16 cache against an fp8 one, same shapes (Llama-3.1-8B
 attention: 32 query heads, 8 KV heads, head_dim 128, block 16); prints one JSON object.
 
-    PYTHONPATH=. python bench/decode_kv_dtypes.py [--cases 64x2048,128x2048]
+    PYTHONPATH=. python bench/decode_kv_dtypes.py [--cases 64x2048,128x2048] [--sweep]
 
 Times are medians of triton.testing.do_bench; GB/s counts the K and V bytes the batch reads.
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.decode_attention import decode_attention  # noqa: E402
 
 
-def case(batch: int, context: int, fp8: bool) -> dict:
+def case(batch: int, context: int, fp8: bool, **knobs) -> dict:
     heads, kv_heads, dim, block = 32, 8, 128, 16
     blocks = batch * context // block
     k = torch.randn(blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -32,18 +32,27 @@ def case(batch: int, context: int, fp8: bool) -> dict:
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     ms = triton.testing.do_bench(lambda: decode_attention(
-        q, k, v, table, lens, dim ** -0.5, context, out=out, kv_scale=scale))
+        q, k, v, table, lens, dim ** -0.5, context, out=out, kv_scale=scale, **knobs))
     nbytes = 2 * k.numel() * k.element_size()
     return {"batch": batch, "context": context, "kv": "fp8" if fp8 else "bf16",
-            "ms": ms, "GBps": nbytes / ms / 1e6}
+            "ms": ms, "GBps": nbytes / ms / 1e6, **knobs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="64x2048,128x2048,256x1024")
+    ap.add_argument("--sweep", action="store_true", help="fp8: block_n x num_splits x "
+                    "num_warps x num_stages, the fastest per case")
     args = ap.parse_args()
-    rows = [case(*map(int, c.split("x")), fp8) for c in args.cases.split(",")
-            for fp8 in (False, True)]
+    cases = [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
+    rows = [case(*c, fp8) for c in cases for fp8 in (False, True)]
+    if args.sweep:
+        import itertools
+        for c in cases:
+            tried = [case(*c, True, block_n=n, num_splits=s, num_warps=w, num_stages=st)
+                     for n, s, w, st in itertools.product((64, 128), (None, 2, 4), (4, 8),
+                                                          (2, 3, 4))]
+            rows.append({"best_fp8": min(tried, key=lambda r: r["ms"])})
     print(json.dumps({"device": torch.cuda.get_device_name(), "decode": rows}, indent=1))
 
 
