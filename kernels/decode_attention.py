@@ -165,7 +165,10 @@ def decode_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     check_kv_dtype(q, k_cache, kv_scale)
-    block_n = block_n or (64 if head_dim <= 128 else 32)
+    # An fp8 tile of 128 tokens holds the bytes of a 16-bit tile of 64: with 64 the fp8
+    # decode ran at ~1.5-2.0 TB/s on an H100, with 128 at 2.2-2.4 (bench/decode_kv_dtypes.py
+    # --sweep: 64x2048, 128x2048, 256x1024; splits, warps and stages left as they were).
+    block_n = block_n or ((128 if kv_scale is not None else 64) if head_dim <= 128 else 32)
     block_d = triton.next_power_of_2(head_dim)
     group = num_heads // num_kv_heads
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
