@@ -89,7 +89,7 @@ class Router:
                 raise too_large(self.max_body_bytes)
         try:
             return json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):   # RecursionError: too deep
             raise bad_request("We could not parse the JSON body of your request.",
                               code=ErrorCode.INVALID_JSON) from None
 

@@ -27,6 +27,8 @@ class ErrorCode(_WireEnum):
 
     INVALID_JSON = "invalid_json"
     INVALID_VALUE = "invalid_value"
+    UNSUPPORTED_VALUE = "unsupported_value"       # a field we know but do not implement
+    UNKNOWN_PARAMETER = "unknown_parameter"       # a field we do not know
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INVALID_API_KEY = "invalid_api_key"
     NOT_FOUND = "not_found"
@@ -56,8 +58,16 @@ class APIError(Exception):
         return self.code or self.type
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        """The JSON error body; text that UTF-8 cannot encode (a client's lone surrogate
+        echoed in a message) is escaped, so the body can always be sent."""
+        return {"error": {"message": _sendable(self.message), "type": self.type,
+                          "param": _sendable(self.param), "code": self.code}}
+
+
+def _sendable(text: str | None) -> str | None:
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None,

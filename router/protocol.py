@@ -1,10 +1,25 @@
 """OpenAI request bodies (the subset we serve), validated with pydantic.
 
-Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send `user`,
-`presence_penalty` and the like keep working; fields we cannot honour are refused instead.
+No field is silently ignored. A request body may hold only
+  - the fields the models declare, which we honour (or refuse by value: `echo: true`), and
+  - `HARMLESS` fields, which change nothing about the output (`user`, `metadata`, ...):
+    accepted and dropped;
+  - `NEUTRAL` fields (sampling, structured-output and tool fields we do not implement) only at
+    their no-op value (`presence_penalty: 0`, `tools: []`, `response_format: {"type": "text"}`);
+    any other value is a 400 naming the field.
+Any other key is refused with a 400 too ("Unrecognized request argument supplied"), as OpenAI
+does. vLLM instead ignores unknown fields; we do not, because an unknown field is most often a
+sampling or formatting option of some other server (`min_p`, `chat_template_kwargs`,
+`stop_token_ids`, ...) that the client expects to change the output: answering as if it were
+honoured would be a silent wrong answer, while a 400 tells the client at once.
+
+Text must be valid Unicode: JSON may carry a lone surrogate ("\\ud800"), which no tokenizer can
+encode; any such string anywhere in the body is a 400 naming where it is.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
@@ -15,29 +30,145 @@ from router.errors import APIError, ErrorCode, bad_request
 
 MAX_N = 16            # choices per request: each is one engine request
 MAX_STOP_STRINGS = 4  # as OpenAI
+SEED_BOUND = 1 << 63  # the engine seeds a torch.Generator with seed + choice index
+
+# Accepted on both endpoints and dropped: they change nothing about the output.
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                      "safety_identifier", "request_id"})
+
+
+def _is_zero(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+
+
+def _is_empty(v: Any) -> bool:
+    return v is None or v == [] or v == {}
+
+
+def _is_none(v: Any) -> bool:
+    return v is None
+
+
+# Fields we do not implement, accepted only at the value that changes nothing: field →
+# (is the value a no-op?, what the no-op values are, for the message).
+NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        'absent or {"type": "text"}; structured output is not supported'),
+    "tools": (_is_empty, "absent or empty; tool calls are not supported"),
+    "tool_choice": (lambda v: v is None or v == "none",
+                    'absent or "none"; tool calls are not supported'),
+    "functions": (_is_empty, "absent or empty; function calls are not supported"),
+    "function_call": (lambda v: v is None or v == "none",
+                      'absent or "none"; function calls are not supported'),
+    "parallel_tool_calls": (_is_none, "absent; tool calls are not supported"),
+    "presence_penalty": (_is_zero, "0; penalties are not supported"),
+    "frequency_penalty": (_is_zero, "0; penalties are not supported"),
+    "repetition_penalty": (lambda v: v is None or (isinstance(v, (int, float))
+                                                   and not isinstance(v, bool) and v == 1),
+                           "1; penalties are not supported"),
+    "length_penalty": (lambda v: v is None or (isinstance(v, (int, float))
+                                               and not isinstance(v, bool) and v == 1),
+                       "1; beam search is not supported"),
+    "logit_bias": (_is_empty, "absent or empty; logit bias is not supported"),
+    "min_p": (_is_zero, "0; min_p is not supported"),
+    "best_of": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                        and v == 1), "1; best_of is not supported"),
+    "use_beam_search": (lambda v: v is None or v is False, "false; beam search is not supported"),
+    "suffix": (lambda v: v is None or v == "", "absent; suffix (insertion) is not supported"),
+    "audio": (_is_none, "absent; audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"],
+                   'absent or ["text"]; only text output is supported'),
+    "prediction": (_is_none, "absent; predicted outputs are not supported"),
+    "reasoning_effort": (_is_none, "absent; reasoning effort is not supported"),
+    "web_search_options": (_is_none, "absent; web search is not supported"),
+    "guided_json": (_is_none, "absent; guided decoding is not supported"),
+    "guided_regex": (_is_none, "absent; guided decoding is not supported"),
+    "guided_choice": (_is_none, "absent; guided decoding is not supported"),
+    "guided_grammar": (_is_none, "absent; guided decoding is not supported"),
+    "guided_decoding_backend": (_is_none, "absent; guided decoding is not supported"),
+    "guided_whitespace_pattern": (_is_none, "absent; guided decoding is not supported"),
+    "structured_outputs": (_is_none, "absent; structured output is not supported"),
+}
+
+
+def check_unicode(body: Any) -> None:
+    """400 for the first string (value or key) in the body that UTF-8 cannot encode (a lone
+    surrogate), with its path as `param`. Iterative: the body may be deeply nested."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path + (key,))
+                stack.append((item, path + (key,)))
+        elif isinstance(value, list):
+            stack.extend((item, path + (i,)) for i, item in enumerate(value))
+
+
+def _check_text(text: str, path: tuple[Any, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = ".".join(str(p).encode("utf-8", "backslashreplace").decode() for p in path)
+        raise bad_request(f"{param or 'body'}: the text is not valid Unicode (a lone surrogate "
+                          f"at character {e.start}); send UTF-8 text", param=param or None,
+                          code=ErrorCode.INVALID_VALUE) from None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's; usage rides only the last chunk here
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("continuous usage stats are not supported")
+        return value
 
 
 class _Common(BaseModel):
     """Sampling fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")   # _refuse_unhonoured drops or refuses first
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-SEED_BOUND, lt=SEED_BOUND - MAX_N)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions, which load generators (ignore_eos) and clients of vLLM rely on.
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, lt=1 << 31)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unhonoured(cls, data: Any) -> Any:
+        """Drop HARMLESS fields and NEUTRAL ones at their no-op value; refuse every other
+        field the model does not declare (see the module docstring)."""
+        if not isinstance(data, dict):
+            return data
+        kept = {}
+        for key, value in data.items():
+            if key in cls.model_fields:
+                kept[key] = value
+            elif key in NEUTRAL:
+                neutral, expected = NEUTRAL[key]
+                if not neutral(value):
+                    raise APIError(400, f"{key}: must be {expected}.", param=key,
+                                   code=ErrorCode.UNSUPPORTED_VALUE)
+            elif key not in HARMLESS:
+                raise APIError(400, f"Unrecognized request argument supplied: {key}",
+                               param=str(key), code=ErrorCode.UNKNOWN_PARAMETER)
+        return kept
 
     @field_validator("stop")
     @classmethod
@@ -88,13 +219,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, value: str | list[dict[str, Any]] | None) -> Any:
+        for part in value if isinstance(value, list) else []:
+            if part.get("type") != "text":
+                raise ValueError("only text content parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string `text`")
+        return value
+
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template expects it (content parts joined into text)."""
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            if any(part.get("type") != "text" for part in self.content):
-                raise bad_request("only text content parts are supported", param="messages")
-            msg["content"] = "".join(str(part.get("text", "")) for part in self.content)
+            msg["content"] = "".join(part["text"] for part in self.content)
         return msg
 
 
@@ -120,6 +259,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a JSON body; a pydantic error becomes a 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
+    check_unicode(body)
     try:
         return model.model_validate(body)
     except ValidationError as e:
