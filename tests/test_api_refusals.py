@@ -1,0 +1,145 @@
+"""Fields we do not honour are refused, never silently ignored; text that UTF-8 cannot encode
+(a lone surrogate, valid JSON) is a 400 naming the field, not a tokenizer crash (500)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_router_api import AUTH, error_of, make_client, tokenizer  # noqa: F401
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+PROMPT = {"prompt": "Hi", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer):  # noqa: F811
+    client, _ = make_client(tokenizer)
+    with client:
+        yield client
+
+
+def post(client, path: str, body: dict, **extra):
+    return client.post(path, headers=AUTH, json={**body, **extra})
+
+
+REFUSED = [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("parallel_tool_calls", True),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -1),
+    ("repetition_penalty", 1.2),
+    ("logit_bias", {"50256": -100}),
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"),
+    ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", "root ::= 'x'"),
+    ("guided_decoding_backend", "xgrammar"),
+    ("best_of", 2),
+    ("suffix", "end"),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("min_p", 0.1),
+    ("use_beam_search", True),
+    ("reasoning_effort", "high"),
+]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", PROMPT),
+                                        ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("field, value", REFUSED)
+def test_unhonoured_fields_are_refused_naming_the_field(client, path, body, field, value):
+    error = error_of(post(client, path, body, **{field: value}), 400)
+    assert error["param"] == field and field in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_value"
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", PROMPT),
+                                        ("/v1/chat/completions", CHAT)])
+def test_unknown_fields_are_refused(client, path, body):
+    for field in ["stop_token_ids", "chat_template_kwargs", "made_up"]:
+        error = error_of(post(client, path, body, **{field: 1}), 400)
+        assert error["param"] == field and error["code"] == "unknown_parameter"
+        assert error["message"] == f"Unrecognized request argument supplied: {field}"
+
+
+HARMLESS = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "seed": 7, "stream_options": None, "response_format": {"type": "text"},
+            "tools": [], "tool_choice": "none", "presence_penalty": 0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1, "logit_bias": {}, "best_of": 1, "modalities": ["text"],
+            "functions": [], "function_call": "none", "guided_json": None, "suffix": None}
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", PROMPT),
+                                        ("/v1/chat/completions", CHAT)])
+def test_harmless_fields_and_neutral_values_are_accepted(client, path, body):
+    response = post(client, path, body, **HARMLESS)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_non_text_content_parts_and_nested_options_are_refused(client):
+    image = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}
+    assert error_of(post(client, "/v1/chat/completions", image), 400)["param"] == \
+        "messages.0.content"
+    no_text = {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}
+    assert error_of(post(client, "/v1/chat/completions", no_text), 400)["param"] == \
+        "messages.0.content"
+    options = post(client, "/v1/completions", PROMPT,
+                   stream=True, stream_options={"include_usage": True, "other": 1})
+    assert error_of(options, 400)["param"] == "stream_options.other"
+
+
+def raw(client, path: str, text: str):
+    """POST a JSON text as is: json= would not let a lone surrogate escape through."""
+    return client.post(path, headers={**AUTH, "Content-Type": "application/json"},
+                       content=text.encode())
+
+
+@pytest.mark.parametrize("path, text, param", [
+    ("/v1/completions", '{"prompt": "Hi \\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff x"]}', "prompt.1"),
+    ("/v1/completions", '{"prompt": "Hi", "stop": ["\\ud83d"]}', "stop.0"),
+    ("/v1/completions", '{"prompt": "Hi", "stop": "\\ud83d"}', "stop"),
+    ("/v1/completions", '{"prompt": "Hi", "model": "\\ud800"}', "model"),
+    ("/v1/completions", '{"prompt": "Hi", "user": "\\ud800"}', "user"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "Hi", "name": "\\ud800"}]}',
+     "messages.0.name"),
+])
+def test_lone_surrogates_are_400_naming_the_field(client, path, text, param):
+    json.loads(text)   # valid JSON
+    error = error_of(raw(client, path, text), 400)
+    assert error["param"] == param and "Unicode" in error["message"]
+
+
+def test_surrogate_in_a_key_and_deep_nesting_are_400(client):
+    error = error_of(raw(client, "/v1/completions", '{"prompt": "Hi", "\\ud800": 1}'), 400)
+    assert error["param"] == "\\ud800"
+    deep = '{"prompt": "Hi", "metadata": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert error_of(raw(client, "/v1/completions", deep), 400)["code"] == "invalid_json"
+    # A valid pair is fine, escaped or not.
+    ok = raw(client, "/v1/completions", '{"prompt": "Hi \\ud83d\\ude00 😀", "max_tokens": 2}')
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("field, value", [("temperature", "NaN"), ("top_p", "Infinity"),
+                                          ("temperature", "1e999"), ("seed", str(2 ** 70)),
+                                          ("top_k", str(2 ** 64)), ("max_tokens", "1e308"),
+                                          ("n", "-Infinity")])
+def test_extreme_numbers_are_400(client, field, value):
+    text = '{"prompt": "Hi", "%s": %s}' % (field, value)
+    assert error_of(raw(client, "/v1/completions", text), 400)["param"] == field
