@@ -1,0 +1,174 @@
+"""Fuzz the HTTP API in-process (the real FastAPI app over a scripted engine, as in
+test_router_api): a few hundred seeded mutations of valid request bodies on both endpoints —
+wrong types for each field, extreme numbers (huge ints, negatives, NaN/Infinity as the JSON
+parser accepts them, 1e308), deep nesting, long strings, lone surrogates, junk keys, nulls,
+arrays for objects and back, and broken bytes and headers. Every answer must be < 500, every
+4xx body OpenAI's error schema, and a correct request must still succeed afterwards."""
+from __future__ import annotations
+
+import copy
+import json
+import random
+from typing import Any
+
+import pytest
+
+from tests.test_router_api import AUTH, make_client, tokenizer  # noqa: F401
+
+SEED = 23
+MUTATIONS_PER_ENDPOINT = 200
+COMPLETION = {"model": "default", "prompt": "Hi there", "max_tokens": 2, "temperature": 0.7,
+              "top_p": 0.9, "n": 1, "stop": ["\n"], "seed": 1, "logprobs": 1,
+              "stream": False, "top_k": 5, "min_tokens": 0, "ignore_eos": False,
+              "user": "u"}
+CHAT = {"model": "default", "max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "n": 1,
+        "stop": "\n", "seed": 1, "logprobs": True, "top_logprobs": 1, "stream": False,
+        "stream_options": {"include_usage": True}, "max_completion_tokens": 2,
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+# Never the scripted engine's trigger words ("slow", "refuse", "crash").
+STRINGS = ["", " ", "x" * 20_000, "é" * 3000, "\ud800", "a\udfffb", "\x00", "\u202e",
+           "<|endoftext|>", "{{ raise_exception('x') }}", "null", "1e308", "NaN", "default",
+           "user", "text", "\n" * 100]
+NUMBERS = [0, -1, 1, 2, 17, 33, 2 ** 31, 2 ** 63, 2 ** 64 + 1, -(2 ** 70), 10 ** 40, 0.5, -0.0,
+           1e308, -1e308, 5e-324, float("nan"), float("inf"), float("-inf")]
+
+
+def deep(depth: int, kind: str) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"a": value}
+    return value
+
+
+def junk(rng: random.Random, like: Any) -> Any:
+    """A value of a wrong or extreme kind, sometimes shaped like `like`."""
+    choice = rng.randrange(9)
+    if choice == 0:
+        return rng.choice(STRINGS)
+    if choice == 1:
+        return rng.choice(NUMBERS)
+    if choice == 2:
+        return rng.choice([None, True, False, [], {}, [None], {"": None}])
+    if choice == 3:
+        return deep(rng.choice([5, 50, 500]), rng.choice(["list", "dict"]))
+    if choice == 4:                       # arrays where objects go, objects where arrays go
+        return [like] if not isinstance(like, list) else {"0": like}
+    if choice == 5:
+        return [rng.choice(STRINGS + NUMBERS) for _ in range(rng.choice([1, 5, 300]))]
+    if choice == 6:
+        return {rng.choice(STRINGS): rng.choice(NUMBERS) for _ in range(3)}
+    if choice == 7:
+        return [[rng.randrange(-5, 200_000) for _ in range(rng.choice([0, 3]))]]
+    return str(like)
+
+
+def paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every path into a JSON value (keys and list indices), the root excluded."""
+    out: list[tuple] = []
+    if len(prefix) >= 4:                  # not into junk's deep nesting
+        return out
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else []
+    for key, item in items:
+        out.append(prefix + (key,))
+        out.extend(paths(item, prefix + (key,)))
+    return out
+
+
+def mutate(rng: random.Random, base: dict) -> dict | list | Any:
+    body = copy.deepcopy(base)
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        if not isinstance(body, dict):
+            break
+        spots = paths(body)
+        op = rng.randrange(6)
+        if op == 5 or not spots:          # the body itself is not an object
+            return junk(rng, body)
+        path = rng.choice(spots)
+        parent: Any = body
+        for key in path[:-1]:
+            parent = parent[key]
+        if op == 0:
+            parent[path[-1]] = junk(rng, parent[path[-1]])
+        elif op == 1:
+            parent[path[-1]] = None
+        elif op == 2:
+            if isinstance(parent, dict):
+                del parent[path[-1]]
+            else:
+                parent.pop(path[-1])
+        elif op == 3 and isinstance(parent, dict):
+            parent[rng.choice(STRINGS[:8] + ["tools", "presence_penalty", "best_of",
+                                             "logit_bias", "guided_json", "echo"])] = \
+                junk(rng, None)
+        else:
+            parent[path[-1]] = junk(rng, parent[path[-1]])
+    return body
+
+
+def raw_cases(rng: random.Random, base: dict) -> list[tuple[bytes, dict[str, str]]]:
+    """Broken bytes and headers around a valid body."""
+    good = json.dumps(base).encode()
+    cases = [(b"", {}), (b"{", {}), (b"null", {}), (b"[]", {}), (b'"x"', {}), (b"1e999", {}),
+             (good, {"Content-Type": "text/plain"}), (good, {"Content-Type": "application/xml"}),
+             (good, {"Content-Type": "application/json; charset=latin-1"}),
+             (good[:-1], {}), (good + b"}", {}), (good + b" junk", {}),
+             (b"\xff\xfe" + good, {}), (b"\xef\xbb\xbf" + good, {}),
+             (good.replace(b"Hi", b"H\xc3"), {}), (good.replace(b"Hi", b"\xed\xa0\x80"), {}),
+             (b"{" * 100_000, {}), (b"[" * 10_000 + b"]" * 10_000, {}),
+             (b'{"a": ' * 3000 + b"1" + b"}" * 3000, {}),
+             (good, {"Content-Length": "7"}), (good, {"Content-Encoding": "gzip"})]
+    for _ in range(20):
+        data = bytearray(good)
+        for _ in range(rng.randrange(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        cases.append((bytes(data), {}))
+    return cases
+
+
+def check(response, what: str, failures: list[str]) -> None:
+    status = response.status_code
+    if status >= 500:
+        failures.append(f"{what}: {status} {response.text[:300]}")
+    elif status >= 400:
+        try:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert isinstance(error["message"], str) and error["message"]
+            assert isinstance(error["type"], str)
+            assert error["param"] is None or isinstance(error["param"], str)
+            assert error["code"] is None or isinstance(error["code"], str)
+        except Exception as e:  # noqa: BLE001 - collect, report all at the end
+            failures.append(f"{what}: {status} body not OpenAI's error schema ({e!r}): "
+                            f"{response.text[:300]}")
+
+
+@pytest.mark.parametrize("path, base", [("/v1/completions", COMPLETION),
+                                        ("/v1/chat/completions", CHAT)])
+def test_mutated_requests_never_5xx_and_errors_keep_the_schema(tokenizer, path, base):  # noqa: F811
+    client, engine = make_client(tokenizer)
+    rng = random.Random(f"{SEED}{path}")
+    failures: list[str] = []
+    statuses: dict[int, int] = {}
+    with client:
+        for i in range(MUTATIONS_PER_ENDPOINT):
+            body = mutate(rng, base)
+            # allow_nan: NaN/Infinity go out as the literals Python's parser accepts;
+            # ensure_ascii: lone surrogates go out as \\ud800 escapes, valid JSON.
+            data = json.dumps(body, allow_nan=True).encode()
+            response = client.post(path, headers={**AUTH, "Content-Type": "application/json"},
+                                   content=data)
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            check(response, f"mutation {i} {data[:200]!r}", failures)
+        for i, (data, headers) in enumerate(raw_cases(rng, base)):
+            response = client.post(path, headers={**AUTH, **headers}, content=data)
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            check(response, f"raw case {i} {headers} {data[:100]!r}", failures)
+        assert not engine.active          # nothing left running on the engine
+        ok = client.post(path, headers=AUTH, json=base)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 2
+    assert not failures, f"{len(failures)} bad answers of {sum(statuses.values())} " \
+                         f"(statuses {statuses}):\n" + "\n".join(failures[:20])
+    assert statuses.get(200, 0) > 0 and sum(v for k, v in statuses.items() if k >= 400) > 100
