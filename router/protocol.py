@@ -200,9 +200,11 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise APIError(400, "echo: must be false; echo is not supported.", param="echo",
+                           code=ErrorCode.UNSUPPORTED_VALUE)
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+            raise bad_request("prompt: must not be empty", param="prompt",
+                              code=ErrorCode.INVALID_VALUE)
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -247,7 +249,8 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs",
+                              code=ErrorCode.INVALID_VALUE)
         return self
 
     @property

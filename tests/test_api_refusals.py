@@ -85,6 +85,14 @@ def test_harmless_fields_and_neutral_values_are_accepted(client, path, body):
     assert response.json()["usage"]["completion_tokens"] == 2
 
 
+def test_value_refusals_name_their_field(client):
+    echo = error_of(post(client, "/v1/completions", PROMPT, echo=True), 400)
+    assert echo["param"] == "echo" and echo["code"] == "unsupported_value"
+    assert error_of(post(client, "/v1/completions", {"prompt": []}), 400)["param"] == "prompt"
+    top = post(client, "/v1/chat/completions", CHAT, top_logprobs=2)
+    assert error_of(top, 400)["param"] == "top_logprobs"
+
+
 def test_non_text_content_parts_and_nested_options_are_refused(client):
     image = {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}
