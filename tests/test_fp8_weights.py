@@ -26,14 +26,12 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from kernels.fp8_quant import (ONE_PASS_MAX, per_token_quant,  # noqa: E402
@@ -48,6 +46,7 @@ from pd_cluster.kv_layout import KVLayout  # noqa: E402
 from pd_cluster.models import fp8  # noqa: E402
 from pd_cluster.models.fp8 import FP8, MIN_SCALE  # noqa: E402
 from pd_cluster.models.loader import load_model  # noqa: E402
+from test_tensor_parallel_model import run_ranks  # noqa: E402
 from tiny_models import make_tiny_model, mixed_prompts  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -535,21 +534,7 @@ def fp8_rank_outputs(tiny_model_root, fp8_checkpoints, tmp_path_factory) -> str:
     out_dir = str(tmp_path_factory.mktemp("fp8_tp_ranks"))
     cases = [(f"{name}-{fmt}", tp_model_dir(name, tiny_model_root, fp8_checkpoints), fmt)
              for name, fmt in TP_CASES]
-    init_method = "file://" + os.path.join(out_dir, "rendezvous")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, init_method, cases, out_dir), daemon=True)
-             for r in range(TP)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in stuck:
-        procs[r].kill()
-        procs[r].join(10)
-    assert not stuck, f"ranks {stuck} still running after {RANK_TIMEOUT_S} s: killed"
-    assert [p.exitcode for p in procs] == [0] * TP
+    run_ranks(_rank_main, cases, out_dir, TP, RANK_TIMEOUT_S)
     return out_dir
 
 

@@ -47,8 +47,12 @@ def helm_args(values: Path | None) -> list[str]:
 @pytest.fixture(scope="module", params=sorted(VALUE_FILES))
 def rendered(request, helm) -> dict[str, list[dict]]:
     """The chart rendered with one values file: kind -> objects."""
-    done = run_helm(helm, "template", "pd", str(CHART), "--namespace", "llm",
-                    *helm_args(VALUE_FILES[request.param]))
+    return template(helm, "--namespace", "llm", *helm_args(VALUE_FILES[request.param]))
+
+
+def template(helm: Path, *args: str) -> dict[str, list[dict]]:
+    """`helm template` of the chart with these arguments (-f, --set ...): kind -> objects."""
+    done = run_helm(helm, "template", "pd", str(CHART), *args)
     assert done.returncode == 0, done.stderr
     objects: dict[str, list[dict]] = {}
     for doc in yaml.safe_load_all(done.stdout):

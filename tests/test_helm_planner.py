@@ -15,7 +15,7 @@ import pytest
 import yaml
 from helm_binary import helm_binary
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from test_helm_chart import CHART, only, run_helm, validate_rayservice
+from test_helm_chart import CHART, only, run_helm, template, validate_rayservice
 
 from pd_cluster.planner import Action
 from router.app_config import AppConfig
@@ -31,15 +31,7 @@ def helm() -> Path:
     return helm_binary()
 
 
-def render(helm: Path, *args: str) -> dict[str, list[dict]]:
-    """`helm template` with these arguments (-f, --set ...): kind -> objects."""
-    done = run_helm(helm, "template", "pd", str(CHART), *args)
-    assert done.returncode == 0, done.stderr
-    objects: dict[str, list[dict]] = {}
-    for doc in yaml.safe_load_all(done.stdout):
-        if doc:
-            objects.setdefault(doc["kind"], []).append(doc)
-    return objects
+render = template      # test_helm_chart's: `helm template` of the chart, kind -> objects
 
 
 def sets(*assignments: str) -> list[str]:

@@ -110,27 +110,35 @@ def _key(family: str, load_format: str) -> str:
     return f"{family}-{load_format}"
 
 
-@pytest.fixture(scope="module")
-def rank_outputs(tiny_model_root, tmp_path_factory) -> str:
-    """Run every case on 2 ranks; the folder of their outputs."""
-    out_dir = str(tmp_path_factory.mktemp("tp_ranks"))
-    cases = [(_key(f, fmt), make_tiny_model(f, tiny_model_root), fmt) for f, fmt in CASES]
+def run_ranks(target, cases: list, out_dir: str, tp: int = TP,
+              timeout_s: float = RANK_TIMEOUT_S) -> None:
+    """`target(rank, init_method, cases, out_dir)` in `tp` spawned processes that meet at a
+    file rendezvous in `out_dir`; asserts all of them exit 0 within `timeout_s` (a stuck one
+    is killed)."""
     init_method = "file://" + os.path.join(out_dir, "rendezvous")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, init_method, cases, out_dir), daemon=True)
-             for r in range(TP)]
+    procs = [ctx.Process(target=target, args=(r, init_method, cases, out_dir), daemon=True)
+             for r in range(tp)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     stuck = [r for r, p in enumerate(procs) if p.is_alive()]
     for r in stuck:
         procs[r].kill()
         procs[r].join(10)
-    assert not stuck, f"ranks {stuck} still running after {RANK_TIMEOUT_S} s: killed"
+    assert not stuck, f"ranks {stuck} still running after {timeout_s} s: killed"
     codes = [p.exitcode for p in procs]
-    assert codes == [0] * TP, f"rank exit codes {codes}"
+    assert codes == [0] * tp, f"rank exit codes {codes}"
+
+
+@pytest.fixture(scope="module")
+def rank_outputs(tiny_model_root, tmp_path_factory) -> str:
+    """Run every case on 2 ranks; the folder of their outputs."""
+    out_dir = str(tmp_path_factory.mktemp("tp_ranks"))
+    cases = [(_key(f, fmt), make_tiny_model(f, tiny_model_root), fmt) for f, fmt in CASES]
+    run_ranks(_rank_main, cases, out_dir)
     return out_dir
 
 
