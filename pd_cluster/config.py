@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pd_cluster.config_errors import validate_config
+from pd_cluster.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:       # torch only where a method needs it: the config imports without it
     import torch
@@ -211,6 +212,8 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
         "GPUs (ranks) one engine replica spans: heads, MLP and vocabulary split across them; "
         "ranks other than the first run in child processes of the engine's"))
+    speculative: SpeculativeConfig | None = Field(None, description=(
+        "speculative decoding on the decoding engine (ngram or draft_model); null: off"))
 
     @classmethod
     def of(cls, **fields: Any) -> EngineConfig:

@@ -14,6 +14,7 @@ from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import FinishReason, Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
+from pd_cluster.spec_decode.engine_hooks import build_spec_decoder
 from pd_cluster.step_totals import StepWork, new_totals
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
 
@@ -40,6 +41,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.spec = build_spec_decoder(config, self) if config.speculative else None
         self._ids = itertools.count()
         # Steps by kind since start: count, seconds, work (pd_engine_* metrics). A step's
         # seconds are its step() call's: under async scheduling mostly the wait for the step
@@ -198,18 +200,27 @@ class LLMEngine:
         (the prefill side, which pushes KV per layer) is reported before returning.
         """
         began = time.perf_counter()
-        plan = self.scheduler.schedule()
+        outputs, drafts, draft_probs = [], {}, {}
+        if (self.spec is not None and listener is None
+                and self.spec.wants_step(self.scheduler.running)):
+            # Proposals need every sequence's last token: collect the step in flight first.
+            if self._in_flight is not None:
+                outputs = self._report(self._in_flight)
+                self._in_flight = None
+            drafts, draft_probs = self.spec.propose(self.scheduler.running,
+                                                    set(self.scheduler.requests))
+        plan = self.scheduler.schedule(drafts)
         launched, work = None, None
         if not plan.is_empty:
             work = StepWork.of(plan)
-            launched = self.runner.execute(plan, listener, self._in_flight)
+            launched = self.runner.execute(plan, listener, self._in_flight, draft_probs)
             self.kv.step_launched([s.request.request_id for s in plan.scheduled])
-        outputs = self._report(self._in_flight) if self._in_flight else []
+        outputs += self._report(self._in_flight) if self._in_flight else []
         self._in_flight = None
         if launched is not None:
             self.scheduler.advance(plan)
             self._in_flight = launched
-            if listener is not None or not self.async_scheduling:
+            if listener is not None or not self.async_scheduling or launched.emitted:
                 outputs += self._report(launched)
                 self._in_flight = None
             self.step_totals[work.kind.value].add(work, time.perf_counter() - began)
@@ -221,6 +232,10 @@ class LLMEngine:
         # Requests that ended after this step was planned (a stop found one step late, an
         # abort) have had their last output already: their token here is dropped.
         live = [s for s in step.plan.scheduled if s.samples and not s.request.is_finished]
-        finished = self.scheduler.record(step.plan, sampled)
+        more = {rid: tokens[1:] for rid, tokens in step.emitted.items()}
+        if step.emitted:
+            self.spec.observe({s.request.request_id: s.draft for s in step.plan.scheduled
+                               if s.draft}, step.emitted, self.scheduler.requests)
+        finished = self.scheduler.record(step.plan, sampled, more)
         return self.outputs.process(SchedulerOutput(live), finished, self.scheduler,
                                     self.runner.sampler)

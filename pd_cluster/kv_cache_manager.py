@@ -109,6 +109,23 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, chunk))
             self.allocator.cache(blocks[i], hashes[-1], chunk)
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first `num_tokens` tokens (speculative
+        decoding: the blocks allocated for drafts that verification rejected). Those blocks
+        were never hashed: only blocks of computed, kept tokens are."""
+        blocks = self._blocks.get(request.request_id, [])
+        keep = self.blocks_needed(num_tokens)
+        if len(blocks) <= keep:
+            return
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        del request.block_ids[keep:]
+        dropped.reverse()
+        if request.request_id in self._writing:
+            self._deferred.setdefault(request.request_id, []).extend(dropped)
+        else:
+            self.allocator.release(dropped)
+
     def free(self, request: Request, written_from: int | None = None) -> None:
         """Release the request's blocks, tail first so a prefix outlives its suffix in cache.
 

@@ -15,7 +15,7 @@ logits, rank 0 samples and broadcasts the tokens. Each rank's KV cache holds its
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,6 +34,7 @@ from pd_cluster.models.loader import load_model
 from pd_cluster.request import PENDING_TOKEN, Request
 from pd_cluster.sampler import Sampler, Samples
 from pd_cluster.scheduler import SchedulerOutput
+from pd_cluster.spec_decode.verify import SpecRow, verify
 from pd_cluster.upload import upload_many
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
@@ -66,14 +67,20 @@ class LaunchedStep:
     samples: Samples | None               # on the device (None: nobody samples)
     host: Samples | None                  # the copy on its way to the host
     done: torch.cuda.Event | None         # fires when `host` is readable (None on CPU)
+    # Speculating requests (not in `sampling`): the tokens verification emitted, known on the
+    # host already (a speculative step is never left in flight).
+    emitted: dict[str, list[int]] = field(default_factory=dict)
 
     def result(self) -> SampledTokens:
-        """Wait for the step and return each sampling request's (token, logprobs)."""
+        """Wait for the step and return each sampling request's (token, logprobs); a
+        speculating request's first token (the rest: `emitted`)."""
+        firsts = {rid: (tokens[0], None) for rid, tokens in self.emitted.items()}
         if self.host is None:
-            return {}
+            return firsts
         if self.done is not None:
             self.done.synchronize()
-        return {r.request_id: res for r, res in zip(self.sampling, self.host.results(self.sampling))}
+        return {r.request_id: res for r, res in zip(self.sampling, self.host.results(self.sampling))
+                } | firsts
 
 
 class StepListener(Protocol):
@@ -254,8 +261,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, listener: StepListener | None = None,
-                prev: LaunchedStep | None = None) -> LaunchedStep:
-        """Launch `plan`; `prev` is the step still in flight, whose tokens feed this one."""
+                prev: LaunchedStep | None = None,
+                draft_probs: dict[str, torch.Tensor] | None = None) -> LaunchedStep:
+        """Launch `plan`; `prev` is the step still in flight, whose tokens feed this one.
+        A plan with drafts is verified here, synchronously (`draft_probs`: a sampling draft
+        model's q per request id)."""
         inputs = self._host_inputs(plan, prev)
         if self.tp_size > 1:
             dist.broadcast_object(inputs)
@@ -263,9 +273,12 @@ class ModelRunner:
             listener.before_forward(plan)
         logits = self._forward(inputs, prev.samples.tokens if inputs.fill_at.size else None,
                                listener)
-        sampling = [s.request for s in plan.scheduled if s.samples]
+        emitted = {}
+        if any(s.draft for s in plan.scheduled):
+            logits, emitted = self._verify(plan, logits, draft_probs or {})
+        sampling = [s.request for s in plan.scheduled if s.samples and not s.draft]
         if not sampling:
-            return LaunchedStep(plan, [], {}, None, None, None)
+            return LaunchedStep(plan, [], {}, None, None, None, emitted)
         samples = self.sampler(logits, sampling)
         if self.tp_size > 1:
             dist.broadcast_tensor(samples.tokens)    # the followers' next input tokens
@@ -275,7 +288,32 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         rows = {r.request_id: i for i, r in enumerate(sampling)}
-        return LaunchedStep(plan, sampling, rows, samples, host, done)
+        return LaunchedStep(plan, sampling, rows, samples, host, done, emitted)
+
+    def _verify(self, plan: SchedulerOutput, logits: torch.Tensor,
+                draft_probs: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, list[int]]]:
+        """Split the logits into the plain sampling rows (returned) and the speculating
+        sequences' k + 1 rows each, which are verified (pd_cluster/spec_decode/verify.py)."""
+        plain, spec, specs, at = [], [], [], 0
+        for s in plan.scheduled:
+            if not s.samples:
+                continue
+            width = 1 + len(s.draft)
+            (spec if s.draft else plain).extend(range(at, at + width))
+            if s.draft:
+                specs.append(SpecRow(s.request, s.draft, draft_probs.get(s.request.request_id)))
+            at += width
+        rows = torch.tensor(spec, device=logits.device)
+        tokens = verify(logits[rows], specs, self.sampler)
+        emitted = {row.request.request_id: t for row, t in zip(specs, tokens)}
+        return logits[torch.tensor(plain, device=logits.device, dtype=torch.long)], emitted
+
+    @torch.inference_mode()
+    def logits(self, plan: SchedulerOutput) -> torch.Tensor | None:
+        """One forward of `plan` (no draft rows, no token on the device), returning the
+        logits of its sampling rows: the draft model's step (pd_cluster/spec_decode/draft.py)."""
+        return self._forward(self._host_inputs(plan, None), None, None)
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -319,16 +357,16 @@ class ModelRunner:
         for i, s in enumerate(plan.scheduled):
             req, start = s.request, s.request.num_computed_tokens
             end, blocks = start + s.num_tokens, req.block_ids
-            ids.extend(req.token_slice(start, end))
+            ids.extend(req.token_slice(start, end - len(s.draft)) + s.draft)
             pos.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             tables[i, :len(blocks)] = blocks
             q_start.append(q_start[-1] + s.num_tokens)
             seq_lens.append(end)
             if s.samples:
-                sample_idx.append(q_start[-1] - 1)
-                if ids[-1] == PENDING_TOKEN:
-                    fill_at.append(len(ids) - 1)
+                sample_idx.extend(range(q_start[-1] - 1 - len(s.draft), q_start[-1]))
+                if ids[-1 - len(s.draft)] == PENDING_TOKEN:
+                    fill_at.append(len(ids) - 1 - len(s.draft))
                     fill_from.append(prev.rows[req.request_id])
         num_decodes = 0
         while num_decodes < len(plan.scheduled) and plan.scheduled[num_decodes].num_tokens == 1:

@@ -77,6 +77,9 @@ class Request:
     # Prefill side of a disaggregated request: after its first token, keep its KV blocks
     # (status TRANSFERRING) until the engine is told the transfer is over.
     hold_kv: bool = False
+    # Speculative decoding (pd_cluster/spec_decode/): draft tokens verified, and kept.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -56,12 +56,21 @@ class Sampler:
                 if banned:
                     logits[i, upload(sorted(banned), torch.long, logits.device)] = float("-inf")
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        dev = logits.device
-        temp = upload([r.params.temperature for r in requests], torch.float32, dev)
+    def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k/top-p/min-p (the
+        one definition speculative verification shares, pd_cluster/spec_decode/verify.py)."""
+        temp = upload([r.params.temperature for r in requests], torch.float32, logits.device)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
         if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in requests):
             probs = self._filter(probs, requests)   # a full sort of the vocabulary: only if asked
+        return probs
+
+    def generator(self, request: Request) -> torch.Generator | None:
+        """A seeded request's own generator (None: unseeded, the global one draws)."""
+        return self._generator(request)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = self.probs(logits, requests)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Unseeded rows
         # share one draw; a seeded row draws from its own generator.
         noise = torch.empty_like(probs).exponential_()

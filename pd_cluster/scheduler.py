@@ -18,6 +18,9 @@ class ScheduledRequest:
     request: Request
     num_tokens: int       # tokens computed this step
     samples: bool         # this step reaches the end of the known tokens, so it samples
+    # Speculative decoding: d1..dk after the last token, verified in this step's forward
+    # (num_tokens == 1 + k); none of their KV counts as computed until verification keeps it.
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -104,19 +107,31 @@ class Scheduler:
             req.finish(RequestStatus.FINISHED, FinishReason.LENGTH)
             self._remove(req)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """Plan a step. `drafts`: speculative proposals of running decodes (request id ->
+        d1..dk); each such decode is planned as a chunk of 1 + k tokens, after the plain
+        decodes (which the attention metadata wants leading), while the budget lasts."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        # Decodes first, then prefills already under way; preemption only ever hits `running`.
-        for decoding in (True, False):
-            for req in [r for r in self.running if self._is_decode(r) == decoding]:
-                if req.status is RequestStatus.WAITING:  # preempted earlier in this loop
-                    continue
-                n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_prefill_chunk)
-                if n > 0 and self._make_room(req, n, out):
-                    self.kv.allocate(req, n)
-                    out.scheduled.append(self._plan(req, n))
-                    budget -= n
+        drafts = drafts or {}
+        # Decodes first (plain, then speculating), then prefills already under way;
+        # preemption only ever hits `running`.
+        decodes = [r for r in self.running if self._is_decode(r)]
+        order = ([r for r in decodes if r.request_id not in drafts]
+                 + [r for r in decodes if r.request_id in drafts]
+                 + [r for r in self.running if not self._is_decode(r)])
+        for req in order:
+            if req.status is RequestStatus.WAITING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_prefill_chunk)
+            draft = drafts.get(req.request_id, [])[:max(0, budget - 1)]
+            if draft and not self.kv.can_allocate(req, n + len(draft)):
+                draft = []      # speculation never preempts anyone
+            n += len(draft)
+            if n > 0 and self._make_room(req, n, out):
+                self.kv.allocate(req, n)
+                out.scheduled.append(self._plan(req, n, draft))
+                budget -= n
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         return out
@@ -161,11 +176,11 @@ class Scheduler:
         out.preempted.append(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
 
-    def _plan(self, req: Request, n: int) -> ScheduledRequest:
-        samples = req.num_computed_tokens + n == req.num_tokens
+    def _plan(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
+        samples = req.num_computed_tokens + n - len(draft or ()) == req.num_tokens
         if req.status is not RequestStatus.RUNNING:
             req.move_to(RequestStatus.RUNNING if samples else RequestStatus.PREFILLING)
-        return ScheduledRequest(req, n, samples)
+        return ScheduledRequest(req, n, samples, draft or [])
 
     @staticmethod
     def _is_decode(req: Request) -> bool:
@@ -179,7 +194,7 @@ class Scheduler:
             req = s.request
             if req.is_finished:  # ended (stop, abort) after this step was planned
                 continue
-            req.num_computed_tokens += s.num_tokens
+            req.num_computed_tokens += s.num_tokens - len(s.draft)
             self.kv.cache_computed_blocks(req)
             if s.samples:
                 req.append_pending()
@@ -192,9 +207,12 @@ class Scheduler:
                     self.draining[req.request_id] = req
 
     def record(self, out: SchedulerOutput,
-               sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
+               sampled: dict[str, tuple[int, dict[int, float] | None]],
+               more: dict[str, list[int]] | None = None) -> list[Request]:
         """The step's tokens are known: fill them in and check stops; returns the requests
-        that finished (a held request counts: its stream is over on this engine)."""
+        that finished (a held request counts: its stream is over on this engine).
+        `more`: a speculating request's tokens after its first (verification kept its drafts
+        up to there); the KV of the rejected drafts is rolled back."""
         finished = []
         for s in out.scheduled:
             req = s.request
@@ -204,10 +222,25 @@ class Scheduler:
             req.fill_pending(token, logprobs)
             if req.hold_kv:
                 finished.append(req)
-            elif req.check_stop():
+            elif req.check_stop() or (s.draft and self._keep_drafts(req, more[req.request_id])):
                 self._remove(req)
                 finished.append(req)
         return finished
+
+    def _keep_drafts(self, req: Request, tokens: list[int]) -> bool:
+        """Append a verified request's further tokens (each is the draft whose KV the step
+        computed, so that KV counts from now on) until a stop; then drop the blocks past its
+        tokens. True if it finished."""
+        for token in tokens:
+            req.num_computed_tokens += 1
+            req.append_token(token, None)
+            if req.check_stop():
+                return True
+        # Only now: the hashed blocks hold kept tokens alone. The rejected drafts' KV sits
+        # past num_computed_tokens, to be overwritten; blocks beyond the tokens go back.
+        self.kv.cache_computed_blocks(req)
+        self.kv.truncate(req, req.num_tokens)
+        return False
 
     def finish(self, request_id: str, status: RequestStatus, reason: FinishReason,
                error: str | None = None) -> Request | None:

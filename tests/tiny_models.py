@@ -33,15 +33,17 @@ FAMILIES = {
 }
 
 
-def make_tiny_model(family: str, root: str) -> str:
-    """Save a random tiny model of `family` under `root` (once) and return its directory."""
+def make_tiny_model(family: str, root: str, **overrides) -> str:
+    """Save a random tiny model of `family` under `root` (once) and return its directory.
+    `overrides`: config fields changed from the family's (e.g. a small initializer_range gives
+    a model that falls into loops, which speculative decoding's tests want)."""
     import transformers
 
-    path = os.path.join(root, family)
+    path = os.path.join(root, "-".join([family] + [f"{k}={v}" for k, v in sorted(overrides.items())]))
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     cfg_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, cfg_cls)(**{**_COMMON, **extra})
+    config = getattr(transformers, cfg_cls)(**{**_COMMON, **extra, **overrides})
     # crc32, not hash(): str hashes change with every process, and so would the model.
     torch.manual_seed(zlib.crc32(family.encode()) % 1000)
     model = getattr(transformers, model_cls)(config)

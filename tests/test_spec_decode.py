@@ -1,0 +1,87 @@
+"""Speculative decoding, colocated: greedy output with speculation equals greedy output
+without it, token for token, and the KV of rejected drafts never outlives its step."""
+import pytest
+
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.spec_decode.ngram import propose_ngram
+from tiny_models import make_tiny_model, mixed_prompts
+
+NEW_TOKENS = 48
+# Block size 4 and a 7-token budget chunk every longer prompt (and cap a step's drafts); 40
+# blocks (160 tokens) cannot hold 8 sequences of up to 85 tokens, so requests get preempted.
+SMALL = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=7)
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def loopy_model(family: str, root: str) -> str:
+    """A tiny random model whose greedy output falls into loops (small initial weights make
+    the next token mostly a function of the last one), so n-gram drafts get accepted."""
+    return make_tiny_model(family, root, initializer_range=0.02)
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
+    assert propose_ngram([1, 2, 9, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [8, 1]   # latest match
+    assert propose_ngram([5, 5, 5, 5, 5, 5], 3, 2, 3) == [5, 5, 5]   # followed by k tokens
+    assert propose_ngram([1, 2, 3], 3, 1, 3) == []
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen3_qknorm"])
+def test_ngram_greedy_equals_plain_with_chunking_and_preemption(family, tiny_model_root):
+    model_dir = loopy_model(family, tiny_model_root)
+    prompts = mixed_prompts()
+    plain = LLM(model_dir, **SMALL).generate(prompts, GREEDY)
+    llm = LLM(model_dir, **SMALL, speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                               "max_batch_size": 8})
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.spec.stats
+    assert stats.accepted > 0 and stats.accepted < stats.proposed
+    assert llm.engine.scheduler.stats.num_preemptions > 0, "the pool was meant to be too small"
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_rejected_drafts_leave_no_blocks_and_no_cached_hashes(tiny_model_root):
+    """Between steps a speculating sequence holds no block past its tokens, and the
+    prefix cache only ever indexes kept tokens: a prompt made of an earlier prompt + output
+    reuses those blocks and continues exactly as an engine that never speculated."""
+    model_dir = loopy_model("llama_gqa", tiny_model_root)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(model_dir, block_size=4, speculative=spec)
+    engine = llm.engine
+    prompts = mixed_prompts()[:4]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, GREEDY, request_id=f"r{i}")
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+        for req in engine.scheduler.running:
+            held = len(req.block_ids)
+            assert engine.kv.blocks_needed(req.num_computed_tokens) <= held
+            assert held <= engine.kv.blocks_needed(req.num_tokens)
+            assert req.num_computed_tokens == req.num_tokens - 1
+    assert engine.spec.stats.proposed > engine.spec.stats.accepted > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+    longer = [p + outs[f"r{i}"] for i, p in enumerate(prompts)]
+    again = llm.generate(longer, GREEDY)
+    assert all(o.num_cached_tokens > 0 for o in again)
+    plain = LLM(model_dir, block_size=4).generate(longer, GREEDY)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_big_batch_and_low_acceptance_fall_back_to_plain_decoding(tiny_model_root):
+    model_dir = make_tiny_model("llama_gqa", tiny_model_root)     # rarely repeats itself
+    prompts = mixed_prompts()
+    plain = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, GREEDY)]
+    for spec, counter in [({"max_batch_size": 2}, "batch_fallbacks"),
+                          ({"min_acceptance_rate": 0.5, "min_steps_before_fallback": 2},
+                           "seq_fallbacks")]:
+        llm = LLM(model_dir, block_size=4, speculative={"method": "ngram",
+                                                        "prompt_lookup_min": 1, **spec})
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        # 8 sequences > 2: plain steps; unigram drafts of a random model: mostly rejected.
+        assert getattr(llm.engine.spec.stats, counter) > 0, counter
