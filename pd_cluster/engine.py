@@ -34,6 +34,8 @@ class LLMEngine:
         self.model_cfg = ModelConfig.from_dir(model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_cfg)
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
+        # Before the target's runner: on a GPU the draft model's share comes off the top.
+        self.spec = build_spec_decoder(config, self) if config.speculative else None
         self.runner = ModelRunner(config, model_dir, self.model_cfg, self.max_model_len,
                                   os.path.basename(os.path.normpath(model_dir)))
         self.kv = KVCacheManager(self.runner.kv_layout.num_blocks, config.block_size,
@@ -41,7 +43,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.spec = build_spec_decoder(config, self) if config.speculative else None
         self._ids = itertools.count()
         # Steps by kind since start: count, seconds, work (pd_engine_* metrics). A step's
         # seconds are its step() call's: under async scheduling mostly the wait for the step

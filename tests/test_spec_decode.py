@@ -85,3 +85,29 @@ def test_big_batch_and_low_acceptance_fall_back_to_plain_decoding(tiny_model_roo
         assert [o.outputs[0].token_ids for o in outs] == plain
         # 8 sequences > 2: plain steps; unigram drafts of a random model: mostly rejected.
         assert getattr(llm.engine.spec.stats, counter) > 0, counter
+
+
+@pytest.mark.parametrize("family,draft_family", [("llama_gqa", "llama_gqa"),
+                                                 ("qwen3_qknorm", "llama_tied")])
+def test_draft_model_greedy_equals_plain_with_chunking_and_preemption(family, draft_family,
+                                                                      tiny_model_root):
+    """The draft is the target itself (every draft kept), or another tiny model of the same
+    vocabulary (nearly every draft rejected, until the sequences fall back)."""
+    model_dir = make_tiny_model(family, tiny_model_root)
+    draft_dir = make_tiny_model(draft_family, tiny_model_root)
+    prompts = mixed_prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model_dir, **SMALL).generate(prompts, params)
+    llm = LLM(model_dir, **SMALL, speculative={
+        "method": "draft_model", "draft_model": draft_dir, "num_speculative_tokens": 3,
+        "draft_num_kv_blocks": 64})
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.spec.stats
+    assert stats.proposed > 0
+    if draft_dir == model_dir:
+        assert stats.accepted == stats.proposed
+        assert sum(o.spec_accepted_tokens for o in outs) == stats.accepted
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.spec.draft.kv.num_free_blocks == 64 or llm.engine.spec.draft._mirrors
