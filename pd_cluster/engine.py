@@ -184,6 +184,8 @@ class LLMEngine:
         if req is None:
             return None
         req.drop_pending()
+        if self.spec is not None:
+            self.spec.retain(self.scheduler.requests)
         if not self.outputs.is_streaming(request_id):
             return None   # its stream already ended (a prefill side's held request)
         return self.outputs.finalize(req)
@@ -208,8 +210,7 @@ class LLMEngine:
             if self._in_flight is not None:
                 outputs = self._report(self._in_flight)
                 self._in_flight = None
-            drafts, draft_probs = self.spec.propose(self.scheduler.running,
-                                                    set(self.scheduler.requests))
+            drafts, draft_probs = self.spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule(drafts)
         launched, work = None, None
         if not plan.is_empty:
@@ -238,5 +239,7 @@ class LLMEngine:
             self.spec.observe({s.request.request_id: s.draft for s in step.plan.scheduled
                                if s.draft}, step.emitted, self.scheduler.requests)
         finished = self.scheduler.record(step.plan, sampled, more)
+        if self.spec is not None and finished:
+            self.spec.retain(self.scheduler.requests)
         return self.outputs.process(SchedulerOutput(live), finished, self.scheduler,
                                     self.runner.sampler)

@@ -32,3 +32,6 @@ class RequestOutput:
     # Seconds from the request's arrival in this engine to its first token's output: the
     # engine's share of the TTFT (queue and prefill), the rest being the serving path's.
     engine_ttft: float | None = None
+    # Speculative decoding (pd_cluster/spec_decode/): draft tokens verified, and kept.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0

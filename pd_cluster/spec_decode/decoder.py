@@ -95,16 +95,20 @@ class SpecDecoder:
             return False
         return any(self._room(r) for r in running)
 
-    def propose(self, running: list[Request], live: set[str]
-                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-        """Drafts of the eligible running decodes: (request id -> d1..dk, request id -> the
-        draft model's q [k, V] for sampling requests). `live`: the engine's request ids (the
-        state of any other is dropped)."""
-        for rid in [r for r in self._seqs if r not in live]:
-            del self._seqs[rid]
-        rooms = {r.request_id: n for r in running if (n := self._room(r))}
+    def retain(self, live: dict[str, Request]) -> None:
+        """Drop the state (and draft KV) of requests the engine no longer has."""
+        if len(self._seqs) > len(live):
+            for rid in [r for r in self._seqs if r not in live]:
+                del self._seqs[rid]
         if self.draft is not None:
             self.draft.forget_except(live)
+
+    def propose(self, running: list[Request]
+                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Drafts of the eligible running decodes: (request id -> d1..dk, request id -> the
+        draft model's q [k, V] for sampling requests)."""
+        rooms = {r.request_id: n for r in running if (n := self._room(r))}
+        if self.draft is not None:
             wanted = [(r, rooms[r.request_id]) for r in running if r.request_id in rooms]
             return self.draft.propose(wanted)
         c = self.config

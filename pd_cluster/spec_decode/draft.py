@@ -53,8 +53,10 @@ class DraftProposer:
         self.sampler = self.runner.sampler
         self._mirrors: dict[str, Request] = {}
 
-    def forget_except(self, live: set[str]) -> None:
+    def forget_except(self, live: dict[str, Request]) -> None:
         """Free the mirrors of requests the engine no longer has."""
+        if len(self._mirrors) <= len(live) and all(r in live for r in self._mirrors):
+            return
         for rid in [r for r in self._mirrors if r not in live]:
             self._drop(rid)
 
