@@ -356,7 +356,8 @@ class EngineLoop:
             kv_blocks_total=kv.num_blocks, kv_blocks_cached=kv.allocator.num_cached_blocks,
             model_loads=model_loads(), prefix_queries=sched.stats.prefix_queries,
             prefix_hits=sched.stats.prefix_hits, num_preemptions=sched.stats.num_preemptions,
-            steps={kind: t.as_dict() for kind, t in self.engine.step_totals.items()})
+            steps={kind: t.as_dict() for kind, t in self.engine.step_totals.items()},
+            spec_decode=self.engine.spec.stats.as_dict() if self.engine.spec else {})
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

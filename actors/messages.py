@@ -62,6 +62,9 @@ class ReplicaLoad:
     # Engine steps by kind ("prefill" | "decode" | "mixed"): steps, seconds and the work in
     # them (see pd_cluster.step_totals).
     steps: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Speculative decoding counters (pd_cluster/spec_decode/decoder.py: SpecStats.as_dict);
+    # empty when the engine does not speculate.
+    spec_decode: dict[str, float] = field(default_factory=dict)
     # The prefix cache's changes, when asked for (`load(prefix_since=...)`); else None.
     prefix: PrefixReport | None = None
 

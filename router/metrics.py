@@ -31,6 +31,15 @@ _TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 _REPLICA = ("role", "replica")
+# pd_spec_decode_* counters: SpecStats fields (pd_cluster/spec_decode/decoder.py).
+SPEC_COUNTERS = {
+    "steps": "Engine steps that verified speculative drafts.",
+    "proposed": "Draft tokens verified.",
+    "accepted": "Draft tokens kept by verification.",
+    "emitted": "Tokens emitted by speculating sequences (kept drafts + one each per step).",
+    "seq_fallbacks": "Sequences that stopped speculating (acceptance EWMA too low).",
+    "batch_fallbacks": "Steps decoded plainly because the batch exceeded max_batch_size.",
+}
 
 
 class _ReplicaCollector(Collector):
@@ -66,8 +75,16 @@ class _ReplicaCollector(Collector):
                                    "the profile's features: sum_tokens, sum_sq_tokens "
                                    "(prefill chunks), sum_ctx, batch (decodes).",
                                    labels=(*_REPLICA, "kind", "feature"))
+        spec = {name: CounterMetricFamily(f"pd_spec_decode_{name}", doc, labels=_REPLICA)
+                for name, doc in SPEC_COUNTERS.items()}
+        spec_rate = gauge("pd_spec_decode_acceptance_rate", "Draft tokens kept / draft tokens "
+                          "verified, since start (speculating replicas only).")
         for load in self.loads:
             labels = [load.role, str(load.replica_id)]
+            if load.spec_decode:
+                for name, family in spec.items():
+                    family.add_metric(labels, load.spec_decode[name])
+                spec_rate.add_metric(labels, load.spec_decode["acceptance_rate"])
             for kind, totals in load.steps.items():
                 steps.add_metric([*labels, kind], totals["steps"])
                 step_s.add_metric([*labels, kind], totals["seconds"])
@@ -84,7 +101,7 @@ class _ReplicaCollector(Collector):
             moved.add_metric([*labels, load.transport], load.kv_bytes_transferred)
             spent.add_metric([*labels, load.transport], load.kv_transfer_seconds)
         yield from (running, waiting, usage, used, free, hit_rate, queries, hits, moved, spent,
-                    steps, step_s, work)
+                    steps, step_s, work, *spec.values(), spec_rate)
 
 
 class _MembershipCollector(Collector):

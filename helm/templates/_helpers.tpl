@@ -70,6 +70,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- range $key := list "engine" "limits" "routing" "planner" -}}
 {{- $_ := set $args $key (include "pd-cluster.snakeKeys" (index $v $key) | fromYaml) -}}
 {{- end -}}
+{{- if $v.engine.speculative -}}
+{{- $_ := set $args.engine "speculative" (include "pd-cluster.snakeKeys" $v.engine.speculative | fromYaml) -}}
+{{- end -}}
 {{- if ne $v.mode "colocated" -}}
 {{- $_ := set $args "num_prefill" (int $v.prefill.replicas) -}}
 {{- $_ := set $args "prefill_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "prefill") | fromYaml) -}}

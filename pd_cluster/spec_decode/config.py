@@ -47,9 +47,9 @@ class SpeculativeConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> "SpeculativeConfig":
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min: must not exceed prompt_lookup_max "
-                             f"({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.method == "draft_model" and self.draft_model is None:
-            raise ValueError("draft_model: method draft_model needs the draft's checkpoint "
+            raise ValueError("method draft_model needs draft_model, the draft's checkpoint "
                              "directory")
         return self

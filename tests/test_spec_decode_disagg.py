@@ -1,0 +1,73 @@
+"""Speculative decoding on the decode side of disaggregation: D speculates once P's KV and
+first token have landed, and greedy output equals a colocated engine that never speculates;
+also after D dies mid-stream and the request continues on another D (migration)."""
+import asyncio
+
+import pytest
+
+from engine_clients import collect
+from pd_cluster import LLM, SamplingParams
+from router.routing import Route
+from test_disagg_engine import Pair
+from test_spec_decode import GREEDY, loopy_model
+from tiny_models import make_tiny_model, mixed_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("family,method", [("llama_gqa", "ngram"), ("qwen3_qknorm", "ngram"),
+                                           ("qwen3_qknorm", "draft_model")])
+def test_disaggregated_speculation_equals_colocated_plain(family, method, tiny_model_root):
+    model_dir = loopy_model(family, tiny_model_root)
+    spec = NGRAM if method == "ngram" else {
+        "method": "draft_model", "draft_model": model_dir, "num_speculative_tokens": 3,
+        "draft_num_kv_blocks": 128}
+    prompts = mixed_prompts()
+    plain = LLM(model_dir, block_size=4).generate(prompts, GREEDY)
+    # A small KV cache on D: requests get preempted there and recomputed.
+    pair = Pair(model_dir, block_size=4, max_num_batched_tokens=16, num_kv_blocks=48,
+                speculative=spec)
+    try:
+        outs, _ = pair.run(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+        stats = pair.d.spec.stats
+        assert 0 < stats.accepted <= stats.proposed
+        assert pair.p.spec.stats.proposed == 0          # P only prefills
+        assert pair.d.scheduler.stats.num_preemptions > 0
+        for eng in (pair.p, pair.d):
+            assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    finally:
+        pair.close()
+
+
+ray = pytest.importorskip("ray")
+from test_disagg_actors import run_all, shutdown, start, wait_all_free  # noqa: E402
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("transport", ["nixl", "ray"])
+def test_actors_speculate_on_d_and_after_migration(transport, tiny_model_root):
+    """Over real transports: D's output equals plain colocated output and D reports
+    acceptance; then D dies mid-stream and the request continues, still speculating, on
+    another D (which rebuilds its speculation state from the tokens it gets)."""
+    model_dir = loopy_model("llama_gqa", tiny_model_root)
+    prompts = mixed_prompts()[:4]
+    plain = [o.outputs[0].token_ids for o in LLM(model_dir).generate(prompts, GREEDY)]
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    expected = LLM(model_dir).generate([prompts[0]], long)[0].outputs[0].token_ids
+    client = start(model_dir, transport, num_d=2, speculative=NGRAM)
+    try:
+        assert run_all(client, prompts) == plain
+
+        async def kill_after_some(out):
+            if len(out.outputs[0].token_ids) >= 30 and not getattr(kill_after_some, "done", 0):
+                kill_after_some.done = 1
+                ray.kill(client.decode[0])
+        final = asyncio.run(collect(client, "m", prompts[0], long, Route(0, 0),
+                                    kill_after_some))
+        assert final.outputs[0].token_ids == expected
+        loads = asyncio.run(client.loads())
+        assert any(ld.spec_decode.get("accepted", 0) > 0 for ld in loads)
+        wait_all_free(client, 5.0)
+    finally:
+        shutdown(client)
