@@ -14,6 +14,7 @@ from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import FinishReason, Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
+from pd_cluster.spec_decode.decoder import SpecStats
 from pd_cluster.spec_decode.engine_hooks import build_spec_decoder
 from pd_cluster.step_totals import StepWork, new_totals
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
@@ -75,6 +76,8 @@ class LLMEngine:
             self.step()
         self.kv.allocator.reset_prefix_cache()
         self.scheduler.stats = SchedulerStats()
+        if self.spec is not None:
+            self.spec.stats = SpecStats()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one); the engine is done."""

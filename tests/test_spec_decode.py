@@ -41,6 +41,26 @@ def test_ngram_greedy_equals_plain_with_chunking_and_preemption(family, tiny_mod
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_async_scheduling_speculates_and_equals_plain(tiny_model_root):
+    """Under async scheduling (the GPU default) a step is in flight when the next is
+    planned: speculation collects it first, then proposes; the output is unchanged, stop
+    tokens and aborts included."""
+    model_dir = loopy_model("llama_gqa", tiny_model_root)
+    prompts = mixed_prompts()
+    plain = LLM(model_dir, **SMALL).generate(prompts, GREEDY)
+    stop = plain[0].outputs[0].token_ids[30]
+    params = [GREEDY] * 7 + [SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                            stop_token_ids=[stop])]
+    expected = LLM(model_dir, **SMALL).generate(prompts, params)
+    llm = LLM(model_dir, **SMALL, async_scheduling=True,
+              speculative={"method": "ngram", "max_batch_size": 8})
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert outs[7].outputs[0].finish_reason == expected[7].outputs[0].finish_reason
+    assert llm.engine.spec.stats.accepted > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_rejected_drafts_leave_no_blocks_and_no_cached_hashes(tiny_model_root):
     """Between steps a speculating sequence holds no block past its tokens, and the
     prefix cache only ever indexes kept tokens: a prompt made of an earlier prompt + output

@@ -57,7 +57,7 @@ def test_actors_speculate_on_d_and_after_migration(transport, tiny_model_root):
     expected = LLM(model_dir).generate([prompts[0]], long)[0].outputs[0].token_ids
     client = start(model_dir, transport, num_d=2, speculative=NGRAM)
     try:
-        assert run_all(client, prompts) == plain
+        assert run_all(client, prompts, GREEDY) == plain
 
         async def kill_after_some(out):
             if len(out.outputs[0].token_ids) >= 30 and not getattr(kill_after_some, "done", 0):

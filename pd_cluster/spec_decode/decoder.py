@@ -73,11 +73,14 @@ class SpecDecoder:
         self.stats = SpecStats()
         self._seqs: dict[str, _Sequence] = {}
 
-    def _room(self, req: Request) -> int:
-        """Tokens it may propose for `req` now (0: it decodes plainly this step)."""
-        if (req.status is not RequestStatus.RUNNING
+    def _room(self, req: Request, in_flight: bool = False) -> int:
+        """Tokens it may propose for `req` now (0: it decodes plainly this step).
+        `in_flight`: judge it as it will be once the step in flight is recorded (its last
+        token may be pending now)."""
+        pending = req.output_token_ids[-1:] == [PENDING_TOKEN]
+        if (req.status is not RequestStatus.RUNNING or not can_speculate(req)
                 or req.num_tokens - req.num_computed_tokens != 1
-                or req.output_token_ids[-1:] == [PENDING_TOKEN] or not can_speculate(req)):
+                or (pending and not in_flight)):
             return 0
         seq = self._seqs.get(req.request_id)
         if seq is not None and seq.stopped:
@@ -93,7 +96,7 @@ class SpecDecoder:
         if len(running) > self.config.max_batch_size:
             self.stats.batch_fallbacks += 1
             return False
-        return any(self._room(r) for r in running)
+        return any(self._room(r, in_flight=True) for r in running)
 
     def retain(self, live: dict[str, Request]) -> None:
         """Drop the state (and draft KV) of requests the engine no longer has."""
