@@ -47,9 +47,10 @@ class StepWork:
         for s in plan.scheduled:
             req, c = s.request, s.num_tokens
             p = req.num_computed_tokens
-            if c == 1 and p >= req.num_prompt_tokens:       # one new token of a sequence
+            if (c == 1 or s.draft) and p >= req.num_prompt_tokens:
+                # One new token of a sequence (speculating: its k drafts too).
                 work.batch += 1
-                work.sum_ctx += p + 1
+                work.sum_ctx += p + c
             else:                                           # a chunk of a prompt (or recompute)
                 work.sum_tokens += c
                 work.sum_sq_tokens += c * (2 * p + c)
