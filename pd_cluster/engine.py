@@ -214,7 +214,7 @@ class LLMEngine:
                 outputs = self._report(self._in_flight)
                 self._in_flight = None
             drafts, draft_probs = self.spec.propose(self.scheduler.running)
-        plan = self.scheduler.schedule(drafts)
+        plan = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
         launched, work = None, None
         if not plan.is_empty:
             work = StepWork.of(plan)
