@@ -13,6 +13,7 @@ seed, and q goes to verification.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -67,8 +68,13 @@ class DraftProposer:
     def _sync(self, req: Request) -> Request:
         m = self._mirrors.get(req.request_id)
         if m is None:
+            # A seeded request's drafts come from a stream of their own: were it the
+            # verifier's, the drafts and their acceptance draws would be correlated.
+            seed = req.params.seed
+            params = req.params if seed is None else dataclasses.replace(
+                req.params, seed=(seed * 1_000_003 + 1) % 2**63)
             m = self._mirrors[req.request_id] = Request(
-                req.request_id, list(req.prompt_token_ids), req.params)
+                req.request_id, list(req.prompt_token_ids), params)
         common = 0
         for a, b in zip(m.output_token_ids, req.output_token_ids):
             if a != b:
