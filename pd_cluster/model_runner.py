@@ -346,35 +346,43 @@ class ModelRunner:
                 and meta.num_decodes == meta.num_seqs and self.graphs.can_run(meta.num_seqs))
 
     def _host_inputs(self, plan: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
+        """The step's flattened inputs. A speculating request's k + 1 tokens (its last token
+        and drafts, pd_cluster/spec_decode/) become k + 1 one-token sequences over the same
+        blocks, the i-th attending to the context up to its own position: every layer
+        stores all new K/V before it attends, so each sees the drafts before it. A step of
+        decodes and verifications is then decode-only (decode kernel, CUDA graphs)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         q_start, seq_lens, sample_idx = [0], [], []
         fill_at, fill_from = [], []   # input positions whose token is still on the device
-        max_blocks = max(len(s.request.block_ids) for s in plan.scheduled)
-        tables = np.zeros((len(plan.scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(plan.scheduled):
+        rows = [s.request.block_ids for s in plan.scheduled for _ in range(1 + len(s.draft))]
+        tables = np.zeros((len(rows), max(len(b) for b in rows)), dtype=np.int32)
+        for i, blocks in enumerate(rows):
+            tables[i, :len(blocks)] = blocks
+        for s in plan.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end, blocks = start + s.num_tokens, req.block_ids
             ids.extend(req.token_slice(start, end - len(s.draft)) + s.draft)
             pos.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            tables[i, :len(blocks)] = blocks
-            q_start.append(q_start[-1] + s.num_tokens)
-            seq_lens.append(end)
+            if s.draft:
+                q_start.extend(range(q_start[-1] + 1, q_start[-1] + s.num_tokens + 1))
+                seq_lens.extend(range(start + 1, end + 1))
+            else:
+                q_start.append(q_start[-1] + s.num_tokens)
+                seq_lens.append(end)
             if s.samples:
                 sample_idx.extend(range(q_start[-1] - 1 - len(s.draft), q_start[-1]))
                 if ids[-1 - len(s.draft)] == PENDING_TOKEN:
                     fill_at.append(len(ids) - 1 - len(s.draft))
                     fill_from.append(prev.rows[req.request_id])
-        num_decodes = 0
-        while num_decodes < len(plan.scheduled) and plan.scheduled[num_decodes].num_tokens == 1:
-            num_decodes += 1
+        q_lens = np.diff(q_start)
+        num_decodes = int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else len(q_lens)
         i64 = [np.asarray(v, dtype=np.int64) for v in (ids, pos, slots, sample_idx, fill_at,
                                                         fill_from)]
-        return StepInputs(*i64, q_start, seq_lens, tables, num_decodes,
-                          max(s.num_tokens for s in plan.scheduled))
+        return StepInputs(*i64, q_start, seq_lens, tables, num_decodes, int(q_lens.max()))
 
     def _upload(self, inputs: StepInputs, last_tokens: torch.Tensor | None):
         x = inputs
