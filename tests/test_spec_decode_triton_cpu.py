@@ -1,6 +1,6 @@
 """Speculative decoding through the Triton attention kernels (CPU interpreter): a verifying
-sequence's k + 1 query tokens go through the paged prefill kernel next to plain decodes
-(decode kernel) and prompt chunks, and greedy output equals plain decoding's."""
+sequence's k + 1 tokens go through the decode kernel as one-token rows, next to plain decodes
+and prompt chunks (prefill kernel), and greedy output equals plain decoding's."""
 from kernels.testing import use_interpreter_without_gpu
 
 use_interpreter_without_gpu()

@@ -9,7 +9,9 @@ Fallbacks, so speculation never costs much where it does not pay:
 - a batch of more than `max_batch_size` running sequences decodes plainly (and keeps async
   scheduling and CUDA graphs): the verification tokens would make a compute-bound step longer;
 - a sequence whose acceptance-rate EWMA drops below `min_acceptance_rate` after
-  `min_steps_before_fallback` verifications stops speculating for good.
+  `min_steps_before_fallback` verifications stops speculating for good;
+- a sequence whose n-gram lookup finds nothing sits out 1, 2, 4 .. 16 steps before it looks
+  again, so that a batch with nothing to copy is not held to synchronous steps.
 """
 from __future__ import annotations
 
@@ -59,11 +61,18 @@ class SpecStats:
                 "acceptance_rate": self.acceptance_rate}
 
 
+# A sequence n-gram lookup found nothing for sits out this many steps (doubling per miss, up
+# to the maximum), so that a batch with nothing to copy keeps async scheduling.
+MISS_BACKOFF_MAX = 16
+
+
 @dataclass(slots=True)
 class _Sequence:
     ewma: float = 1.0
     steps: int = 0
     stopped: bool = False
+    backoff: int = 0          # steps it sits out after its latest miss
+    resume_at: int = 0        # the step count from which it may propose again
 
 
 class SpecDecoder:
@@ -72,6 +81,7 @@ class SpecDecoder:
         self.draft = draft
         self.stats = SpecStats()
         self._seqs: dict[str, _Sequence] = {}
+        self._now = 0             # wants_step calls: the clock of the miss backoff
 
     def _room(self, req: Request, in_flight: bool = False) -> int:
         """Tokens it may propose for `req` now (0: it decodes plainly this step).
@@ -83,7 +93,7 @@ class SpecDecoder:
                 or (pending and not in_flight)):
             return 0
         seq = self._seqs.get(req.request_id)
-        if seq is not None and seq.stopped:
+        if seq is not None and (seq.stopped or self._now < seq.resume_at):
             return 0
         # The step emits up to k + 1 tokens: never past max_tokens.
         left = req.params.max_tokens - len(req.output_token_ids) - 1
@@ -91,6 +101,7 @@ class SpecDecoder:
 
     def wants_step(self, running: list[Request]) -> bool:
         """Whether the next step should speculate (cheap: called every step)."""
+        self._now += 1
         if not running:
             return False
         if len(running) > self.config.max_batch_size:
@@ -120,8 +131,13 @@ class SpecDecoder:
             k = rooms.get(req.request_id)
             if k:
                 d = propose_ngram(req.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+                seq = self._seqs.setdefault(req.request_id, _Sequence())
                 if d:
                     drafts[req.request_id] = d
+                    seq.backoff = 0
+                else:
+                    seq.backoff = min(2 * seq.backoff or 1, MISS_BACKOFF_MAX)
+                    seq.resume_at = self._now + seq.backoff
         return drafts, {}
 
     def observe(self, drafts: dict[str, list[int]], emitted: dict[str, list[int]],

@@ -44,8 +44,10 @@ class DraftProposer:
                              f"tokens, the target's has {vocab_size}: they must be the same")
         self.config = config.model_copy(update=dict(
             model=model_dir, load_format=spec.draft_load_format, speculative=None,
-            num_kv_blocks=spec.draft_num_kv_blocks, cuda_graphs=False, quantization=None,
+            num_kv_blocks=spec.draft_num_kv_blocks, quantization=None,
             kv_cache_dtype="auto", max_model_len=max_model_len,
+            # At most max_batch_size sequences draft at once: its CUDA graphs and KV cap.
+            max_num_seqs=spec.max_batch_size,
             gpu_memory_utilization=min(DRAFT_GPU_SHARE, config.gpu_memory_utilization)))
         self.runner = ModelRunner(self.config, model_dir, model_cfg, max_model_len,
                                   os.path.basename(os.path.normpath(model_dir)))
