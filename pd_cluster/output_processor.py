@@ -56,14 +56,28 @@ class OutputProcessor:
 
     def _hit_stop_string(self, req: Request) -> bool:
         stream = self._streams[req.request_id]
-        new_tokens = req.output_token_ids[stream.num_sent_tokens:]
+        first = stream.num_sent_tokens
+        new_tokens = req.output_token_ids[first:]
         stream.num_sent_tokens = len(req.output_token_ids)
         if stream.detok is None:
             return False
         if (not stream.stops.stop_strings and req.params.stop
                 and len(req.output_token_ids) >= req.params.min_tokens):
             stream.stops = StopChecker(req.params.stop)
-        stream.pending.append(stream.stops.append(stream.detok.add(new_tokens)))
+        if len(new_tokens) <= 1 or not stream.stops.stop_strings:
+            stream.pending.append(stream.stops.append(stream.detok.add(new_tokens)))
+            return stream.stops.stopped
+        # Several tokens at once (a speculative step's): one at a time, as plain decoding
+        # would have seen them, so that the output ends at the token completing a stop string.
+        for j, token in enumerate(new_tokens):
+            stream.pending.append(stream.stops.append(stream.detok.add([token])))
+            if stream.stops.stopped:
+                if j + 1 < len(new_tokens):
+                    del req.output_token_ids[first + j + 1:]
+                    stream.num_sent_tokens = len(req.output_token_ids)
+                    if req.is_finished:     # by a later stop token or the length limit
+                        req.finish_reason, req.stop_reason = FinishReason.STOP, None
+                break
         return stream.stops.stopped
 
     def _output(self, req: Request, finished: bool = False) -> RequestOutput:

@@ -130,3 +130,25 @@ def test_draft_model_greedy_equals_plain_with_chunking_and_preemption(family, dr
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
     assert llm.engine.spec.draft.kv.num_free_blocks == 64    # every mirror freed
+
+
+def test_stop_strings_end_a_speculative_step_where_plain_decoding_stops(default_model_dir):
+    """A verification step emits several tokens; a stop string completed by one of them ends
+    the output there (tokens, text and finish reason as without speculation)."""
+    text = "one two three four five six seven eight nine ten eleven twelve thirteen"
+    prompt = f"Repeat this text exactly: {text}\n\n{text}\n\n{text}"
+    plain_llm = LLM(default_model_dir, num_kv_blocks=64)
+    spec_llm = LLM(default_model_dir, num_kv_blocks=64,
+                   speculative={"method": "ngram", "num_speculative_tokens": 6})
+    free = SamplingParams(temperature=0, max_tokens=24)
+    full = plain_llm.generate([prompt], free)[0].outputs[0]
+    words = full.text.split()
+    assert len(words) > 8, full.text
+    for stop in (words[5], words[7] + " " + words[8][:2]):
+        params = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+        plain = plain_llm.generate([prompt], params)[0]
+        spec = spec_llm.generate([prompt], params)[0]
+        assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert spec.outputs[0].text == plain.outputs[0].text
+        assert spec.outputs[0].finish_reason == plain.outputs[0].finish_reason == "stop"
+    assert spec_llm.engine.spec.stats.accepted > 0

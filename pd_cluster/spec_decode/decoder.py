@@ -32,10 +32,9 @@ def can_speculate(request: Request) -> bool:
     """Whether a request's sampling allows speculation at all. Requests whose next-token
     distribution depends on the tokens before it in ways verification does not model stay
     plain: logprobs (reported per step), a min_tokens floor not yet reached (stop tokens
-    masked), stop strings (text is checked token by token). Grammar-constrained requests and
-    penalties will be added here."""
+    masked). Grammar-constrained requests and penalties will be added here."""
     p = request.params
-    return (p.logprobs is None and not p.stop and not request.hold_kv
+    return (p.logprobs is None and not request.hold_kv
             and len(request.output_token_ids) >= p.min_tokens)
 
 
