@@ -15,6 +15,8 @@ from pd_cluster.request import FinishReason, Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from pd_cluster.step_totals import StepWork, new_totals
+from pd_cluster.structured.constraint import GrammarConstraint
+from pd_cluster.structured.matcher import GrammarVocabulary
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
@@ -35,6 +37,9 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
         self.runner = ModelRunner(config, model_dir, self.model_cfg, self.max_model_len,
                                   os.path.basename(os.path.normpath(model_dir)))
+        if self.tokenizer is not None:
+            self.runner.grammar = GrammarConstraint(GrammarVocabulary(
+                self.tokenizer.hf, self.tokenizer.eos_token_ids, self.model_cfg.vocab_size))
         self.kv = KVCacheManager(self.runner.kv_layout.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -154,6 +159,9 @@ class LLMEngine:
         if need > self.kv.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the KV cache has "
                              f"{self.kv.num_blocks}; lower max_tokens or enlarge the KV cache")
+        if params.grammar is not None and self.tokenizer is None:
+            raise ValueError(f"model {self.model_dir!r} has no tokenizer: a grammar-constrained "
+                             f"request needs one")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

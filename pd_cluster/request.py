@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pd_cluster.sampling_params import SamplingParams
 
@@ -77,6 +78,8 @@ class Request:
     # Prefill side of a disaggregated request: after its first token, keep its KV blocks
     # (status TRANSFERRING) until the engine is told the transfer is over.
     hold_kv: bool = False
+    # A grammar-constrained request's matcher (pd_cluster/structured), built on first use.
+    grammar_state: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

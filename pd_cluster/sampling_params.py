@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pd_cluster.structured.spec import GrammarSpec
+
 _GREEDY_EPS = 1e-5
 
 
@@ -12,6 +14,8 @@ class SamplingParams:
 
     `temperature=0` is greedy. `top_k=0` (or -1), `top_p=1` and `min_p=0` disable those filters.
     `logprobs=n` returns the sampled token's log-probability and the top n alternatives.
+    `grammar` constrains every sampled token to keep the output a prefix of the grammar's
+    language; the request stops (finish reason "stop") when the grammar ends.
     """
 
     temperature: float = 1.0
@@ -25,6 +29,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None     # the output must match it (pd_cluster/structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

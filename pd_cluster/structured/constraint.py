@@ -1,0 +1,67 @@
+"""The batch's grammar masks: computed on the host while the forward pass runs, applied on
+the device as one masked fill before sampling.
+
+The model runner launches a step's forward pass (queued on the device, not waited for), then
+calls `GrammarConstraint.apply`: it waits only for the step before (whose sampled tokens are
+the constrained requests' newest), advances their matchers, fills one bitmask row per
+constrained request on llguidance's thread pool, sends the bitmask up and masks the logits.
+The device meanwhile runs this step's forward pass, so a mask costs the step nothing as long
+as the batch's masks take less host time than the forward pass.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pd_cluster.request import PENDING_TOKEN, Request
+from pd_cluster.structured.bitmask import apply_bitmask, bitmask_words
+from pd_cluster.structured.matcher import GrammarState, GrammarVocabulary
+
+
+class GrammarConstraint:
+    """Masks the logits of a step's grammar-constrained rows; one per engine."""
+
+    def __init__(self, vocab: GrammarVocabulary):
+        self.vocab = vocab
+        self._executor: Any = None
+
+    def apply(self, logits: torch.Tensor, requests: list[Request], prev: Any) -> None:
+        """logits: [S, V], row i for requests[i]; `prev`: the step still in flight (its
+        LaunchedStep), whose tokens some requests' last output still waits for."""
+        rows = [i for i, r in enumerate(requests) if r.params.grammar is not None]
+        if not rows:
+            return
+        pending = prev.result() if prev is not None and any(
+            requests[i].output_token_ids[-1:] == [PENDING_TOKEN] for i in rows) else {}
+        matchers = []
+        for i in rows:
+            state = self._state(requests[i], pending)
+            if state.constrains:
+                matchers.append((state.matcher, i))
+        if matchers:
+            self._mask(logits, matchers)
+
+    def _state(self, req: Request, pending: dict) -> GrammarState:
+        if req.grammar_state is None:
+            req.grammar_state = GrammarState.start(self.vocab, req.params.grammar)
+        tokens = req.output_token_ids
+        if tokens and tokens[-1] == PENDING_TOKEN:
+            tokens = tokens[:-1] + [pending[req.request_id][0]]
+        req.grammar_state.catch_up(tokens)
+        return req.grammar_state
+
+    def _mask(self, logits: torch.Tensor, matchers: list[tuple[Any, int]]) -> None:
+        from llguidance import LLExecutor
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        if self._executor is None:
+            self._executor = LLExecutor()
+        cuda = logits.device.type == "cuda"
+        bitmask = torch.empty((len(matchers), bitmask_words(logits.shape[1])),
+                              dtype=torch.int32, pin_memory=cuda)
+        fill_next_token_bitmask_par(self._executor, [(m, k) for k, (m, _) in
+                                                     enumerate(matchers)], bitmask)
+        rows = torch.tensor([i for _, i in matchers], dtype=torch.long, pin_memory=cuda)
+        apply_bitmask(logits, rows.to(logits.device, non_blocking=True),
+                      bitmask.to(logits.device, non_blocking=True))
