@@ -4,8 +4,8 @@ No field is silently ignored. A request body may hold only
   - the fields the models declare, which we honour (or refuse by value: `echo: true`), and
   - `HARMLESS` fields, which change nothing about the output (`user`, `metadata`, ...):
     accepted and dropped;
-  - `NEUTRAL` fields (sampling, structured-output and tool fields we do not implement) only at
-    their no-op value (`presence_penalty: 0`, `tools: []`, `response_format: {"type": "text"}`);
+  - `NEUTRAL` fields (sampling fields we do not implement, tools on completions) only at
+    their no-op value (`presence_penalty: 0`, `tools: []`);
     any other value is a 400 naming the field.
 Any other key is refused with a 400 too ("Unrecognized request argument supplied"), as OpenAI
 does. vLLM instead ignores unknown fields; we do not, because an unknown field is most often a
@@ -22,11 +22,13 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+                      field_validator, model_validator)
 
 from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.structured import GrammarSpec
 from router.errors import APIError, ErrorCode, bad_request
+from router.structured_fields import ResponseFormat, output_grammar
 
 MAX_N = 16            # choices per request: each is one engine request
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -52,15 +54,13 @@ def _is_none(v: Any) -> bool:
 # Fields we do not implement, accepted only at the value that changes nothing: field →
 # (is the value a no-op?, what the no-op values are, for the message).
 NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        'absent or {"type": "text"}; structured output is not supported'),
-    "tools": (_is_empty, "absent or empty; tool calls are not supported"),
+    "tools": (_is_empty, "absent or empty; tool calls are on /v1/chat/completions only"),
     "tool_choice": (lambda v: v is None or v == "none",
-                    'absent or "none"; tool calls are not supported'),
+                    'absent or "none"; tool calls are on /v1/chat/completions only'),
     "functions": (_is_empty, "absent or empty; function calls are not supported"),
     "function_call": (lambda v: v is None or v == "none",
                       'absent or "none"; function calls are not supported'),
-    "parallel_tool_calls": (_is_none, "absent; tool calls are not supported"),
+    "parallel_tool_calls": (_is_none, "absent; tool calls are on /v1/chat/completions only"),
     "presence_penalty": (_is_zero, "0; penalties are not supported"),
     "frequency_penalty": (_is_zero, "0; penalties are not supported"),
     "repetition_penalty": (lambda v: v is None or (isinstance(v, (int, float))
@@ -81,10 +81,8 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (_is_none, "absent; predicted outputs are not supported"),
     "reasoning_effort": (_is_none, "absent; reasoning effort is not supported"),
     "web_search_options": (_is_none, "absent; web search is not supported"),
-    "guided_json": (_is_none, "absent; guided decoding is not supported"),
-    "guided_regex": (_is_none, "absent; guided decoding is not supported"),
-    "guided_choice": (_is_none, "absent; guided decoding is not supported"),
-    "guided_grammar": (_is_none, "absent; guided decoding is not supported"),
+    "guided_grammar": (_is_none, "absent; grammars other than guided_json, guided_regex and "
+                                "guided_choice are not supported"),
     "guided_decoding_backend": (_is_none, "absent; guided decoding is not supported"),
     "guided_whitespace_pattern": (_is_none, "absent; guided decoding is not supported"),
     "structured_outputs": (_is_none, "absent; structured output is not supported"),
@@ -148,6 +146,18 @@ class _Common(BaseModel):
     top_k: int = Field(0, ge=-1, lt=1 << 31)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    # Structured output (router/structured_fields.py): OpenAI's and vLLM's.
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    _grammar: GrammarSpec | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _output_grammar(self) -> Any:
+        self._grammar = output_grammar(self.response_format, self.guided_json,
+                                       self.guided_regex, self.guided_choice)
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -188,7 +198,7 @@ class _Common(BaseModel):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=seed, stop=list(self.stop or []), max_tokens=max_tokens,
                               min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs)
+                              logprobs=logprobs, grammar=self._grammar)
 
 
 class CompletionRequest(_Common):
