@@ -28,7 +28,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.structured import GrammarSpec
 from router.errors import APIError, ErrorCode, bad_request
-from router.structured_fields import ResponseFormat, output_grammar
+from router.structured_fields import ResponseFormat, Tool, ToolChoice, output_grammar
+from router.tool_calls import ToolMode, ToolPlan, with_parsed_arguments
 
 MAX_N = 16            # choices per request: each is one engine request
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -246,7 +247,7 @@ class ChatMessage(BaseModel):
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             msg["content"] = "".join(part["text"] for part in self.content)
-        return msg
+        return with_parsed_arguments(msg)
 
 
 class ChatCompletionRequest(_Common):
@@ -255,13 +256,30 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Tool calls (router/tool_calls.py); several calls in one turn are allowed, not refusable.
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Literal[True] | None = None
+    _tool_plan: ToolPlan = PrivateAttr(ToolPlan(ToolMode.NONE))
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs",
                               code=ErrorCode.INVALID_VALUE)
+        self._tool_plan = ToolPlan.of(self.tools, self.tool_choice)
+        grammar = self._tool_plan.grammar()
+        if grammar is not None:
+            if self._grammar is not None:
+                raise bad_request("tool_choice: a required or named tool cannot be combined "
+                                  "with another output constraint", param="tool_choice",
+                                  code=ErrorCode.INVALID_VALUE)
+            self._grammar = grammar
         return self
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        return self._tool_plan
 
     @property
     def requested_max_tokens(self) -> int | None:
