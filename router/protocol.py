@@ -259,7 +259,7 @@ class ChatCompletionRequest(_Common):
     # Tool calls (router/tool_calls.py); several calls in one turn are allowed, not refusable.
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: Literal[True] | None = None
+    parallel_tool_calls: bool | None = None
     _tool_plan: ToolPlan = PrivateAttr(ToolPlan(ToolMode.NONE))
 
     @model_validator(mode="after")
@@ -267,6 +267,10 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs",
                               code=ErrorCode.INVALID_VALUE)
+        if self.parallel_tool_calls is False:
+            raise APIError(400, "parallel_tool_calls: must be true or absent; limiting a turn "
+                           "to one tool call is not supported.", param="parallel_tool_calls",
+                           code=ErrorCode.UNSUPPORTED_VALUE)
         self._tool_plan = ToolPlan.of(self.tools, self.tool_choice)
         grammar = self._tool_plan.grammar()
         if grammar is not None:

@@ -24,21 +24,12 @@ def post(client, path: str, body: dict, **extra):
 
 
 REFUSED = [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"),
-    ("tool_choice", "required"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
-    ("parallel_tool_calls", True),
     ("presence_penalty", 0.5),
     ("frequency_penalty", -1),
     ("repetition_penalty", 1.2),
     ("logit_bias", {"50256": -100}),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("guided_choice", ["yes", "no"]),
     ("guided_grammar", "root ::= 'x'"),
     ("guided_decoding_backend", "xgrammar"),
     ("best_of", 2),
@@ -59,6 +50,21 @@ def test_unhonoured_fields_are_refused_naming_the_field(client, path, body, fiel
     error = error_of(post(client, path, body, **{field: value}), 400)
     assert error["param"] == field and field in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_value"
+
+
+# Tool calls are honoured on chat (tests/test_tool_calls.py), refused on completions; on chat
+# every call may be parallel: asking for none is refused.
+@pytest.mark.parametrize("path, body, field, value", [
+    ("/v1/completions", PROMPT, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/completions", PROMPT, "tool_choice", "auto"),
+    ("/v1/completions", PROMPT, "tool_choice", "required"),
+    ("/v1/completions", PROMPT, "parallel_tool_calls", True),
+    ("/v1/chat/completions", CHAT, "parallel_tool_calls", False),
+])
+def test_tool_fields_are_refused_where_not_honoured(client, path, body, field, value):
+    error = error_of(post(client, path, body, **{field: value}), 400)
+    assert error["param"] == field and field in error["message"]
+    assert error["code"] == "unsupported_value"
 
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", PROMPT),

@@ -80,7 +80,7 @@ class GrammarSpec:
 
         try:
             grammar = self.grammar()
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RuntimeError) as e:
             raise ValueError(str(e)) from None
         error = LLMatcher.validate_grammar(grammar)
         if error:
