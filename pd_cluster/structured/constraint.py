@@ -10,6 +10,7 @@ as the batch's masks take less host time than the forward pass.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -52,16 +53,19 @@ class GrammarConstraint:
         return req.grammar_state
 
     def _mask(self, logits: torch.Tensor, matchers: list[tuple[Any, int]]) -> None:
-        from llguidance import LLExecutor
-        from llguidance.torch import fill_next_token_bitmask_par
-
         if self._executor is None:
-            self._executor = LLExecutor()
+            from llguidance import LLExecutor
+
+            # Half the cores: the other half plan the next step (and, on a CPU engine, run
+            # the forward pass) meanwhile.
+            self._executor = LLExecutor(num_threads=min(16, max(1, (os.cpu_count() or 2) // 2)))
         cuda = logits.device.type == "cuda"
-        bitmask = torch.empty((len(matchers), bitmask_words(logits.shape[1])),
-                              dtype=torch.int32, pin_memory=cuda)
-        fill_next_token_bitmask_par(self._executor, [(m, k) for k, (m, _) in
-                                                     enumerate(matchers)], bitmask)
+        words = bitmask_words(logits.shape[1])
+        bitmask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=cuda)
+        # llguidance.torch's fill_next_token_bitmask_par, without importing that module
+        # (it compiles a kernel with torch.compile at import).
+        self._executor.unsafe_compute_mask_ptr([(m, k) for k, (m, _) in enumerate(matchers)],
+                                               bitmask.data_ptr(), words * 4, len(matchers))
         rows = torch.tensor([i for _, i in matchers], dtype=torch.long, pin_memory=cuda)
         apply_bitmask(logits, rows.to(logits.device, non_blocking=True),
                       bitmask.to(logits.device, non_blocking=True))
