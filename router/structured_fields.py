@@ -3,6 +3,7 @@
 validated here into the engine's GrammarSpec, a bad schema or regex a 400 naming the field."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -89,9 +90,14 @@ def output_grammar(response_format: ResponseFormat | None, guided_json: Any,
         schema = fmt.schema_ if fmt.schema_ is not None else {"type": "object"}
         asked.append(("response_format.json_schema.schema", GrammarSpec.json_schema(schema)))
     if guided_json is not None:
+        if isinstance(guided_json, str):      # vLLM takes the schema as JSON text too
+            try:
+                guided_json = json.loads(guided_json)
+            except ValueError:
+                guided_json = None
         if not isinstance(guided_json, (dict, bool)):
-            raise bad_request("guided_json: must be a JSON schema object", param="guided_json",
-                              code=ErrorCode.INVALID_VALUE)
+            raise bad_request("guided_json: must be a JSON schema (an object, or its JSON "
+                              "text)", param="guided_json", code=ErrorCode.INVALID_VALUE)
         asked.append(("guided_json", GrammarSpec.json_schema(guided_json)))
     if guided_regex is not None:
         asked.append(("guided_regex", GrammarSpec.regex(guided_regex)))
