@@ -26,6 +26,7 @@ class GrammarConstraint:
     def __init__(self, vocab: GrammarVocabulary):
         self.vocab = vocab
         self._executor: Any = None
+        self._one_token: list[tuple[GrammarState, int]] = []   # consumed in parallel
 
     def apply(self, logits: torch.Tensor, requests: list[Request], prev: Any) -> None:
         """logits: [S, V], row i for requests[i]; `prev`: the step still in flight (its
@@ -35,37 +36,52 @@ class GrammarConstraint:
             return
         pending = prev.result() if prev is not None and any(
             requests[i].output_token_ids[-1:] == [PENDING_TOKEN] for i in rows) else {}
-        matchers = []
-        for i in rows:
-            state = self._state(requests[i], pending)
-            if state.constrains:
-                matchers.append((state.matcher, i))
+        states = [self._state(requests[i], pending) for i in rows]
+        self._consume_queued()
+        matchers = [(s.matcher, i) for s, i in zip(states, rows) if s.constrains]
         if matchers:
             self._mask(logits, matchers)
 
     def _state(self, req: Request, pending: dict) -> GrammarState:
+        """The request's matcher, advanced over its tokens so far. A decode step's one new
+        token is queued for the batch's parallel consume, done in `_mask`."""
         if req.grammar_state is None:
             req.grammar_state = GrammarState.start(self.vocab, req.params.grammar)
-        tokens = req.output_token_ids
-        if tokens and tokens[-1] == PENDING_TOKEN:
-            tokens = tokens[:-1] + [pending[req.request_id][0]]
-        req.grammar_state.catch_up(tokens)
-        return req.grammar_state
+        state = req.grammar_state
+        last = pending[req.request_id][0] if req.output_token_ids[-1:] == [PENDING_TOKEN] \
+            else None
+        new = state.unconsumed(req.output_token_ids, last)
+        if len(new) == 1 and not state.failed:
+            self._one_token.append((state, new[0]))
+        else:
+            state.consume(new)
+        return state
 
-    def _mask(self, logits: torch.Tensor, matchers: list[tuple[Any, int]]) -> None:
+    @property
+    def executor(self) -> Any:
+        """llguidance's thread pool, on half the cores: the other half plan the next step
+        (and, on a CPU engine, run the forward pass) meanwhile."""
         if self._executor is None:
             from llguidance import LLExecutor
 
-            # Half the cores: the other half plan the next step (and, on a CPU engine, run
-            # the forward pass) meanwhile.
             self._executor = LLExecutor(num_threads=min(16, max(1, (os.cpu_count() or 2) // 2)))
+        return self._executor
+
+    def _consume_queued(self) -> None:
+        if self._one_token:
+            oks = self.executor.consume_token_par([(s.matcher, t) for s, t in self._one_token])
+            for (state, _), ok in zip(self._one_token, oks):
+                state.consumed_one(ok)
+            self._one_token.clear()
+
+    def _mask(self, logits: torch.Tensor, matchers: list[tuple[Any, int]]) -> None:
         cuda = logits.device.type == "cuda"
         words = bitmask_words(logits.shape[1])
         bitmask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=cuda)
         # llguidance.torch's fill_next_token_bitmask_par, without importing that module
         # (it compiles a kernel with torch.compile at import).
-        self._executor.unsafe_compute_mask_ptr([(m, k) for k, (m, _) in enumerate(matchers)],
-                                               bitmask.data_ptr(), words * 4, len(matchers))
+        self.executor.unsafe_compute_mask_ptr([(m, k) for k, (m, _) in enumerate(matchers)],
+                                              bitmask.data_ptr(), words * 4, len(matchers))
         rows = torch.tensor([i for _, i in matchers], dtype=torch.long, pin_memory=cuda)
         apply_bitmask(logits, rows.to(logits.device, non_blocking=True),
                       bitmask.to(logits.device, non_blocking=True))

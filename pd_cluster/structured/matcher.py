@@ -60,9 +60,26 @@ class GrammarState:
 
     def catch_up(self, output_token_ids: list[int]) -> None:
         """Consume the output tokens not yet consumed (all known: none pending)."""
-        if self.consumed < len(output_token_ids) and not self.failed:
-            self._consume(output_token_ids[self.consumed:], "a sampled token")
-        self.consumed = len(output_token_ids)
+        self.consume(output_token_ids[self.consumed:])
+
+    def unconsumed(self, output_token_ids: list[int], last: int | None) -> list[int]:
+        """The output tokens not yet consumed, `last` in place of a pending last one."""
+        new = output_token_ids[self.consumed:]
+        if new and last is not None:
+            new[-1] = last
+        return new
+
+    def consume(self, tokens: list[int]) -> None:
+        if tokens and not self.failed:
+            self._consume(tokens, "a sampled token")
+        self.consumed += len(tokens)
+
+    def consumed_one(self, ok: bool) -> None:
+        """One token was consumed elsewhere (a batch's parallel consume); `ok`: accepted."""
+        self.consumed += 1
+        if not ok:
+            self.failed = True
+            log.warning("grammar matcher rejected a sampled token: %s", self.matcher.get_error())
 
     @property
     def constrains(self) -> bool:
