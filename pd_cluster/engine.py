@@ -16,7 +16,7 @@ from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from pd_cluster.step_totals import StepWork, new_totals
 from pd_cluster.structured.constraint import GrammarConstraint
-from pd_cluster.structured.matcher import GrammarVocabulary
+from pd_cluster.structured.matcher import GrammarState, GrammarVocabulary
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
@@ -166,7 +166,10 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        return Request(request_id, token_ids, params, eos_token_ids=frozenset(eos))
+        req = Request(request_id, token_ids, params, eos_token_ids=frozenset(eos))
+        if params.grammar is not None:    # built now: a grammar it cannot use is refused
+            req.grammar_state = GrammarState.start(self.runner.grammar.vocab, params.grammar)
+        return req
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -53,7 +53,12 @@ class GrammarState:
 
     @classmethod
     def start(cls, vocab: GrammarVocabulary, spec: GrammarSpec) -> GrammarState:
+        """The matcher of a new request; ValueError if the grammar cannot be built for this
+        vocabulary (the request is refused rather than run unconstrained)."""
         state = cls(vocab.matcher(spec))
+        if state.matcher.is_error():
+            raise ValueError(f"the {spec.kind} grammar cannot be used: "
+                             f"{state.matcher.get_error()}")
         if spec.generated:
             state._consume(list(spec.generated), "its earlier attempt's tokens")
         return state
