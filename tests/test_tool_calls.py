@@ -135,3 +135,18 @@ def test_history_calls_are_rendered_with_parsed_arguments():
     req = parse(ChatCompletionRequest, {"messages": MESSAGES + [
         msg, {"role": "tool", "tool_call_id": "c1", "content": "12 C"}]})
     assert [m.template_dict()["role"] for m in req.messages] == ["user", "assistant", "tool"]
+
+
+def test_auto_deltas_hold_a_json_reply_until_it_is_a_call():
+    fmt = formatter(ToolMode.AUTO)
+    parts = ['{"name": "get_weather", ', '"parameters": {"city": ', '"Oslo"}}']
+    deltas = [fmt.delta_choice(0, p, [], [], FinishReason.STOP if i == 2 else None)
+              for i, p in enumerate(parts)]
+    assert deltas[0]["delta"] == deltas[1]["delta"] == {}
+    call = deltas[2]["delta"]["tool_calls"][0]
+    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert deltas[2]["finish_reason"] == "tool_calls" and "content" not in deltas[2]["delta"]
+    text = formatter(ToolMode.AUTO)
+    plain = [text.delta_choice(0, p, [], [], None) for p in ["Hello", " there"]]
+    assert [d["delta"] for d in plain] == [{"content": "Hello"}, {"content": " there"}]
