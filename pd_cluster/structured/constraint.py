@@ -76,7 +76,9 @@ class GrammarConstraint:
 
     def _mask(self, logits: torch.Tensor, matchers: list[tuple[Any, int]]) -> None:
         cuda = logits.device.type == "cuda"
-        words = bitmask_words(logits.shape[1])
+        # llguidance writes its whole vocabulary: a tokenizer larger than the logits (added
+        # tokens the model cannot produce) gets a wider mask, cut to the logits on apply.
+        words = bitmask_words(max(logits.shape[1], self.vocab.tokenizer.vocab_size))
         bitmask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=cuda)
         # llguidance.torch's fill_next_token_bitmask_par, without importing that module
         # (it compiles a kernel with torch.compile at import).
