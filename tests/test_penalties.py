@@ -1,0 +1,198 @@
+"""Logit bias and the presence, frequency and repetition penalties (pd_cluster/penalties.py)
+against a plain reference: one row at a time, one token at a time, in Python. On random
+logits (with a token still on the device, as under async scheduling), and on a tiny random
+model, greedy, token for token: colocated (async scheduling on and off, chunked prefill,
+penalized and plain requests in one batch) and disaggregated P -> D over NIXL and Ray, where
+P samples the first token and D the rest."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import torch
+
+from engine_clients import collect
+from pd_cluster import LLM, EngineConfig, SamplingParams
+from pd_cluster.penalties import PreviousSamples, apply_penalties
+from pd_cluster.request import PENDING_TOKEN, Request
+from router.routing import Route
+from tiny_models import make_tiny_model
+
+NEW_TOKENS = 20
+# Prompts that repeat themselves (the tiny model then repeats tokens of its own), so that
+# every penalty has something to do.
+PROMPTS = [[3, 4, 5, 6] * 5, [300, 12, 300, 12, 88, 300, 7, 7, 100, 200, 5, 6, 7, 8, 9, 10, 11,
+                              12, 300, 12]]
+CASES = {
+    "presence": dict(presence_penalty=1.5),
+    "frequency": dict(frequency_penalty=0.7),
+    "repetition": dict(repetition_penalty=1.8),
+    "negative": dict(presence_penalty=-0.5, frequency_penalty=-0.3, repetition_penalty=0.6),
+    "logit_bias": dict(logit_bias={7: 1.5, 300: 0.8, 12: -100.0, 0: 2.0}),
+    "combined": dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3,
+                     logit_bias={7: 1.0, 5: -1.0}),
+}
+
+
+def reference_row(logits: torch.Tensor, prompt: list[int], output: list[int],
+                  params: SamplingParams) -> torch.Tensor:
+    """vLLM's semantics, written out: bias, then repetition over every token seen, then
+    frequency and presence over the output tokens."""
+    row = logits.clone()
+    for token, bias in params.logit_bias.items():
+        row[token] += bias
+    p = params.repetition_penalty
+    for token in set(prompt) | set(output):
+        row[token] = row[token] / p if row[token] > 0 else row[token] * p
+    for token, count in Counter(output).items():
+        row[token] -= params.frequency_penalty * count
+        row[token] -= params.presence_penalty
+    return row
+
+
+def reference_greedy(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Each step a full forward of the whole sequence, the penalties, and argmax."""
+    output: list[int] = []
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            logits = model(torch.tensor([prompt + output])).logits[0, -1].float()
+            output.append(int(reference_row(logits, prompt, output, params).argmax()))
+    return output
+
+
+def greedy(case: str) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, **CASES[case])
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_root):
+    return make_tiny_model("llama_gqa", tiny_model_root)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny) -> dict[str, list[list[int]]]:
+    """The reference's tokens per case (and with no penalty: "plain"), per prompt."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    cases = {name: greedy(name) for name in CASES}
+    cases["plain"] = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return {name: [reference_greedy(model, p, params) for p in PROMPTS]
+            for name, params in cases.items()}
+
+
+def test_every_case_changes_the_greedy_output(expected):
+    """Otherwise the token-for-token tests below would prove nothing."""
+    for name in CASES:
+        assert expected[name] != expected["plain"], name
+
+
+# --- pd_cluster/penalties.py on random logits ------------------------------------------------
+
+def _request(i: int, prompt: list[int], output: list[int], params: SamplingParams) -> Request:
+    req = Request(f"r{i}", prompt, params)
+    req.output_token_ids = list(output)
+    return req
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_batched_penalties_equal_the_reference_row_by_row(case):
+    gen = torch.Generator().manual_seed(7)
+    vocab = 512
+    logits = torch.randn(5, vocab, generator=gen) * 4
+    params = [SamplingParams(**CASES[case]), SamplingParams(), SamplingParams(**CASES[case]),
+              SamplingParams(**CASES["combined"]), SamplingParams(**CASES[case])]
+    prompts = [PROMPTS[0], PROMPTS[1], [1], PROMPTS[1], [3, 3, 3]]
+    outputs = [[5, 5, 8, 300, 5], [9, 9], [], [7, 7, 7, 12, 9], [0]]
+    requests = [_request(i, p, o, sp) for i, (p, o, sp) in enumerate(zip(prompts, outputs,
+                                                                          params))]
+    got = logits.clone()
+    apply_penalties(got, requests)
+    for i, r in enumerate(requests):
+        want = reference_row(logits[i], r.prompt_token_ids, r.output_token_ids, r.params)
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
+    assert torch.equal(got[1], logits[1])      # no penalty: the row is untouched
+
+
+def test_a_token_still_on_the_device_is_counted_from_the_previous_samples():
+    params = SamplingParams(**CASES["combined"])
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    pending = [_request(0, [1, 2], [7, 9, PENDING_TOKEN], params),
+               _request(1, [4], [PENDING_TOKEN], params)]
+    # The previous step sampled three requests, these two among them, in another order.
+    previous = PreviousSamples([_request(9, [1], [], params), pending[1], pending[0]],
+                               torch.tensor([40, 9, 33]))
+    got = logits.clone()
+    apply_penalties(got, pending, previous)
+    for i, (r, last) in enumerate(zip(pending, [33, 9])):
+        known = r.output_token_ids[:-1] + [last]
+        want = reference_row(logits[i], r.prompt_token_ids, known, params)
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match="still on the device"):
+        apply_penalties(logits.clone(), pending, None)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("presence_penalty", float("nan")), ("frequency_penalty", -3),
+    ("frequency_penalty", True), ("repetition_penalty", 0), ("repetition_penalty", -1.0),
+    ("repetition_penalty", float("inf")), ("logit_bias", {1: 101}), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}), ("logit_bias", {5: float("nan")}),
+])
+def test_out_of_range_penalties_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_a_logit_bias_token_outside_the_vocabulary_is_refused(tiny):
+    llm = LLM(tiny, block_size=4, num_kv_blocks=32)
+    with pytest.raises(ValueError, match=r"logit_bias: token ids must be in \[0, 512\)"):
+        llm.generate([PROMPTS[0]], SamplingParams(logit_bias={512: 1.0}))
+
+
+# --- the engine, token for token -------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_colocated_greedy_equals_the_reference(tiny, expected, async_scheduling):
+    # Every case and the plain one in one batch; a 6-token budget chunks the prompts.
+    llm = LLM(tiny, block_size=4, num_kv_blocks=80, max_num_batched_tokens=6,
+              async_scheduling=async_scheduling)
+    names = [*CASES, "plain"]
+    params = [greedy(n) if n in CASES else SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                          ignore_eos=True) for n in names]
+    outs = llm.generate([p for _ in names for p in PROMPTS],
+                        [sp for sp in params for _ in PROMPTS])
+    got = [o.outputs[0].token_ids for o in outs]
+    for k, name in enumerate(names):
+        assert got[k * len(PROMPTS):(k + 1) * len(PROMPTS)] == expected[name], name
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("transport", ["nixl", "ray"])
+def test_disaggregated_greedy_equals_the_reference(tiny, expected, transport):
+    ray = pytest.importorskip("ray")
+    from actors.engine_actor import EngineActor
+    from router.disagg_client import DisaggregatedClient
+
+    def actor(role: str):
+        cfg = EngineConfig(model=tiny, block_size=4, num_kv_blocks=80, async_scheduling=True)
+        return EngineActor.options(num_cpus=0).remote(cfg, role, 0, transport, 30.0)
+
+    p, d = [actor("prefill")], [actor("decode")]
+    try:
+        client = DisaggregatedClient.over(p, d)
+
+        async def run_all():
+            await client.wait_ready(120)
+            return await asyncio.gather(*[
+                collect(client, f"{name}-{i}", prompt, greedy(name), Route(0, 0))
+                for name in CASES for i, prompt in enumerate(PROMPTS)])
+        outs = asyncio.run(run_all())
+        got = [o.outputs[0].token_ids for o in outs]
+        for k, name in enumerate(CASES):
+            assert got[k * len(PROMPTS):(k + 1) * len(PROMPTS)] == expected[name], name
+        # P computed every prompt (and sampled the first tokens): D only decoded.
+        assert ray.get(p[0].load.remote()).kv_bytes_transferred > 0
+    finally:
+        for a in p + d:
+            ray.kill(a)
