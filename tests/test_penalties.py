@@ -16,7 +16,9 @@ from engine_clients import collect
 from pd_cluster import LLM, EngineConfig, SamplingParams
 from pd_cluster.penalties import PreviousSamples, apply_penalties
 from pd_cluster.request import PENDING_TOKEN, Request
+from router.protocol import ChatCompletionRequest, CompletionRequest, parse
 from router.routing import Route
+from tests.test_router_api import AUTH, error_of, make_client, tokenizer  # noqa: F401
 from tiny_models import make_tiny_model
 
 NEW_TOKENS = 20
@@ -148,6 +150,47 @@ def test_a_logit_bias_token_outside_the_vocabulary_is_refused(tiny):
     llm = LLM(tiny, block_size=4, num_kv_blocks=32)
     with pytest.raises(ValueError, match=r"logit_bias: token ids must be in \[0, 512\)"):
         llm.generate([PROMPTS[0]], SamplingParams(logit_bias={512: 1.0}))
+
+
+# --- the HTTP fields ---------------------------------------------------------------------------
+
+def test_http_fields_map_to_the_sampling_params():
+    body = {"messages": [{"role": "user", "content": "Hi"}], "presence_penalty": -1.5,
+            "frequency_penalty": 2, "repetition_penalty": 1.3,
+            "logit_bias": {"7": 100, "0012": -100, "5": 0.5}}
+    params = parse(ChatCompletionRequest, body).sampling_params(4, None, 0)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == \
+        (-1.5, 2.0, 1.3)
+    assert params.logit_bias == {7: 100.0, 12: -100.0, 5: 0.5}
+    nulls = {"prompt": "Hi", "presence_penalty": None, "frequency_penalty": None,
+             "repetition_penalty": None, "logit_bias": None}
+    assert not parse(CompletionRequest, nulls).sampling_params(4, None, 0).penalized
+
+
+@pytest.fixture(scope="module")
+def api(tokenizer):  # noqa: F811
+    client, _ = make_client(tokenizer)
+    with client:
+        yield client
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field, value, param", [
+    ("presence_penalty", 2.01, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
+    ("frequency_penalty", "x", "frequency_penalty"), ("repetition_penalty", 0,
+                                                      "repetition_penalty"),
+    ("logit_bias", {"5": 100.5}, "logit_bias.5"), ("logit_bias", {"5": "x"}, "logit_bias.5"),
+    ("logit_bias", {"abc": 1}, "logit_bias"), ("logit_bias", {"-1": 1}, "logit_bias"),
+    ("logit_bias", {"49152": 1}, "logit_bias"), ("logit_bias", {str(2 ** 70): 1}, "logit_bias"),
+    ("logit_bias", [1], "logit_bias"), ("logit_bias", {str(i): 1 for i in range(301)},
+                                        "logit_bias"),
+])
+def test_http_penalties_out_of_range_are_400_naming_the_field(api, path, field, value, param):
+    body = {"prompt": "Hi"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "Hi"}]}
+    response = api.post(path, headers=AUTH, json={**body, "max_tokens": 2, field: value})
+    error = error_of(response, 400)
+    assert error["param"] == param and field in error["message"]
 
 
 # --- the engine, token for token -------------------------------------------------------------
