@@ -37,7 +37,8 @@ _TOKEN_ID = re.compile(r"[0-9]{1,20}")
 
 # Accepted on both endpoints and dropped: they change nothing about the output.
 HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                      "safety_identifier", "request_id"})
+                      "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+                      "request_id"})
 
 
 def _is_zero(v: Any) -> bool:
@@ -67,7 +68,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "length_penalty": (lambda v: v is None or (isinstance(v, (int, float))
                                                and not isinstance(v, bool) and v == 1),
                        "1; beam search is not supported"),
-    "min_p": (_is_zero, "0; min_p is not supported"),
     "best_of": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
                                         and v == 1), "1; best_of is not supported"),
     "use_beam_search": (lambda v: v is None or v is False, "false; beam search is not supported"),
@@ -78,6 +78,8 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (_is_none, "absent; predicted outputs are not supported"),
     "reasoning_effort": (_is_none, "absent; reasoning effort is not supported"),
     "web_search_options": (_is_none, "absent; web search is not supported"),
+    "verbosity": (_is_none, "absent; verbosity is not supported"),
+    "moderation": (_is_none, "absent; moderation is not supported"),
     "guided_json": (_is_none, "absent; guided decoding is not supported"),
     "guided_regex": (_is_none, "absent; guided decoding is not supported"),
     "guided_choice": (_is_none, "absent; guided decoding is not supported"),
@@ -143,6 +145,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     # vLLM's extensions, which load generators (ignore_eos) and clients of vLLM rely on.
     top_k: int = Field(0, ge=-1, lt=1 << 31)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     # Penalties (null: off). repetition_penalty is vLLM's (and HF's) extension.
@@ -204,6 +207,7 @@ class _Common(BaseModel):
         """Engine parameters of choice `index` (seeded choices differ by their index)."""
         seed = None if self.seed is None else self.seed + index
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p,
                               seed=seed, stop=list(self.stop or []), max_tokens=max_tokens,
                               min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                               logprobs=logprobs, presence_penalty=self.presence_penalty or 0.0,
