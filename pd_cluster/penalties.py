@@ -8,9 +8,11 @@ logits on the device with vLLM's semantics and in vLLM v1's order:
        presence_penalty q    logits[t] -= f * count[t] + q * (count[t] > 0)
 
 Only the rows whose request asks for one of these are touched, so a batch where none does
-costs one pass over its params. The counts are rebuilt every step from the rows' token ids
-(one upload of those rows' tokens, scattered on the device): no state per request to keep
-in step with preemption, migration or a prefill engine that sampled the first token.
+costs one pass over its params. The output counts are rebuilt every step from the rows'
+output token ids (scattered on the device): no running count to keep in step with
+preemption, migration or a prefill engine that sampled the first token. The prompt's tokens,
+which never change and are most of a long request's, go up once: `Penalties` keeps them on
+the device while their request keeps sampling.
 
 Async scheduling: a request's last output token may still be on the device (PENDING_TOKEN),
 sampled by the step before; it is counted from that step's samples (`PreviousSamples`).
@@ -36,20 +38,44 @@ class PreviousSamples:
     tokens: torch.Tensor
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request],
-                    previous: PreviousSamples | None = None) -> None:
-    """Bias and penalize `logits` [S, V] (one row per request) in place."""
-    rows = [i for i, r in enumerate(requests) if r.params.penalized]
-    if not rows:
-        return
-    chosen = [requests[i] for i in rows]
-    index = upload(rows, torch.long, logits.device)
-    logits[index] = penalize(logits[index], chosen, previous)
+class Penalties:
+    """Biases and penalizes the sampler's logits; remembers what spans steps: the last
+    samples, and the distinct prompt tokens of the requests with a repetition penalty (on
+    the device, dropped once their request is missing from a step's batch)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._previous: PreviousSamples | None = None
+        self._prompts: dict[str, torch.Tensor] = {}
+
+    def remember(self, requests: list[Request], tokens: torch.Tensor) -> None:
+        """This step's samples: the next step's pending tokens."""
+        self._previous = PreviousSamples(requests, tokens)
+
+    def apply(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Bias and penalize `logits` [S, V] (one row per request) in place."""
+        rows = [i for i, r in enumerate(requests) if r.params.penalized]
+        chosen = [requests[i] for i in rows]
+        if rows or self._prompts:
+            self._prompts = {r.request_id: self._prompt(r) for r in chosen
+                             if r.params.repetition_penalty != 1.0}
+        if rows:
+            index = upload(rows, torch.long, logits.device)
+            logits[index] = penalize(logits[index], chosen, self._previous, self._prompts)
+
+    def _prompt(self, request: Request) -> torch.Tensor:
+        cached = self._prompts.get(request.request_id)
+        if cached is None:
+            distinct = np.unique(np.asarray(request.prompt_token_ids, dtype=np.int64))
+            cached = upload_many([distinct], self.device)[0]
+        return cached
 
 
-def penalize(logits: torch.Tensor, requests: list[Request],
-             previous: PreviousSamples | None) -> torch.Tensor:
-    """`logits` [R, V] of requests that each ask for a bias or a penalty, transformed."""
+def penalize(logits: torch.Tensor, requests: list[Request], previous: PreviousSamples | None,
+             prompts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`logits` [R, V] of requests that each ask for a bias or a penalty, transformed.
+    `prompts`: by request id, the distinct prompt tokens (on the device) of those with a
+    repetition penalty."""
     dev, vocab = logits.device, logits.shape[1]
     biased = [(i, r.params.logit_bias) for i, r in enumerate(requests) if r.params.logit_bias]
     if biased:
@@ -61,8 +87,7 @@ def penalize(logits: torch.Tensor, requests: list[Request],
     repetition = [r.params.repetition_penalty for r in requests]
     if any(p != 1.0 for p in repetition):
         seen = counts > 0
-        seen.view(-1)[_flat([r.prompt_token_ids if p != 1.0 else [] for r, p in
-                             zip(requests, repetition)], vocab, dev)] = True
+        seen.view(-1)[_prompt_indices(requests, vocab, dev, prompts)] = True
         factor = torch.where(seen, upload(repetition, torch.float32, dev)[:, None], 1.0)
         logits = torch.where(logits > 0, logits / factor, logits * factor)
     frequency = upload([r.params.frequency_penalty for r in requests], torch.float32, dev)
@@ -74,8 +99,7 @@ def output_counts(requests: list[Request], vocab: int, device: torch.device,
                   previous: PreviousSamples | None) -> torch.Tensor:
     """[R, V] float32: how often each row's request has output each token so far."""
     counts = torch.zeros(len(requests), vocab, dtype=torch.float32, device=device)
-    known = [_known_outputs(r) for r in requests]
-    flat = _flat(known, vocab, device)
+    flat = _flat([_known_outputs(r) for r in requests], vocab, device)
     counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, device=device))
     pending = [i for i, r in enumerate(requests)
                if r.output_token_ids and r.output_token_ids[-1] == PENDING_TOKEN]
@@ -88,6 +112,18 @@ def output_counts(requests: list[Request], vocab: int, device: torch.device,
         at = upload(pending, torch.long, device) * vocab + previous.tokens[source]
         counts.view(-1).index_add_(0, at, torch.ones(len(pending), device=device))
     return counts
+
+
+def _prompt_indices(requests: list[Request], vocab: int, device: torch.device,
+                    prompts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """row * vocab + token for the prompt tokens of the rows with a repetition penalty."""
+    rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
+    tokens = [prompts[requests[i].request_id] for i in rows]
+    lengths = [len(t) for t in tokens]
+    offsets = upload(rows, torch.long, device) * vocab
+    # output_size: known here, so the device need not be asked (a sync) for it.
+    return torch.cat(tokens) + offsets.repeat_interleave(
+        upload(lengths, torch.long, device), output_size=sum(lengths))
 
 
 def _known_outputs(request: Request) -> list[int]:

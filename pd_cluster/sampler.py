@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pd_cluster.penalties import PreviousSamples, apply_penalties
+from pd_cluster.penalties import Penalties
 from pd_cluster.request import Request
 from pd_cluster.upload import upload
 
@@ -20,8 +20,7 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
-        # This call's tokens: the next call's PENDING_TOKENs (async scheduling) for penalties.
-        self._previous: PreviousSamples | None = None
+        self.penalties = Penalties(device)
 
     def skip_draw(self, request: Request, vocab_size: int) -> None:
         """Advance a seeded request's generator past one draw made by another engine (its
@@ -35,14 +34,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> "Samples":
         """logits: [S, V] fp32, one row per request -> the samples, still on the device."""
-        apply_penalties(logits, requests, self._previous)
+        self.penalties.apply(logits, requests)
         self._mask_stop_tokens(logits, requests)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
             rows = upload(sampled_rows, torch.long, logits.device)
             tokens[rows] = self._sample(logits[rows], [requests[i] for i in sampled_rows])
-        self._previous = PreviousSamples(requests, tokens)
+        self.penalties.remember(requests, tokens)
         top = max((r.params.logprobs or 0 for r in requests if r.params.logprobs is not None),
                   default=None)
         if top is None:

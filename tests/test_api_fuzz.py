@@ -3,8 +3,9 @@ test_router_api): a few hundred seeded mutations of valid request bodies on both
 wrong types for each field, extreme numbers (huge ints, negatives, NaN/Infinity as the JSON
 parser accepts them, 1e308), deep nesting, long strings, lone surrogates, junk keys, nulls,
 arrays for objects and back, penalties and logit biases at and past their limits (token ids
-outside the vocabulary, keys that are not token ids), and broken bytes and headers. Every answer must be < 500, every
-4xx body OpenAI's error schema, and a correct request must still succeed afterwards."""
+outside the vocabulary, keys that are not token ids), and broken bytes and headers. Every
+answer must be < 500, every 4xx body OpenAI's error schema, and a correct request must still
+succeed afterwards. test_api_fuzz_serve runs the same mutations against the real server."""
 from __future__ import annotations
 
 import copy

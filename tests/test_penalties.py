@@ -14,7 +14,7 @@ import torch
 
 from engine_clients import collect
 from pd_cluster import LLM, EngineConfig, SamplingParams
-from pd_cluster.penalties import PreviousSamples, apply_penalties
+from pd_cluster.penalties import Penalties
 from pd_cluster.request import PENDING_TOKEN, Request
 from router.protocol import ChatCompletionRequest, CompletionRequest, parse
 from router.routing import Route
@@ -110,7 +110,7 @@ def test_batched_penalties_equal_the_reference_row_by_row(case):
     requests = [_request(i, p, o, sp) for i, (p, o, sp) in enumerate(zip(prompts, outputs,
                                                                           params))]
     got = logits.clone()
-    apply_penalties(got, requests)
+    Penalties(torch.device("cpu")).apply(got, requests)
     for i, r in enumerate(requests):
         want = reference_row(logits[i], r.prompt_token_ids, r.output_token_ids, r.params)
         torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
@@ -123,16 +123,35 @@ def test_a_token_still_on_the_device_is_counted_from_the_previous_samples():
     pending = [_request(0, [1, 2], [7, 9, PENDING_TOKEN], params),
                _request(1, [4], [PENDING_TOKEN], params)]
     # The previous step sampled three requests, these two among them, in another order.
-    previous = PreviousSamples([_request(9, [1], [], params), pending[1], pending[0]],
-                               torch.tensor([40, 9, 33]))
+    penalties = Penalties(torch.device("cpu"))
+    penalties.remember([_request(9, [1], [], params), pending[1], pending[0]],
+                       torch.tensor([40, 9, 33]))
     got = logits.clone()
-    apply_penalties(got, pending, previous)
+    penalties.apply(got, pending)
     for i, (r, last) in enumerate(zip(pending, [33, 9])):
         known = r.output_token_ids[:-1] + [last]
         want = reference_row(logits[i], r.prompt_token_ids, known, params)
         torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
     with pytest.raises(RuntimeError, match="still on the device"):
-        apply_penalties(logits.clone(), pending, None)
+        Penalties(torch.device("cpu")).apply(logits.clone(), pending)
+
+
+def test_prompts_stay_on_the_device_only_while_their_request_samples():
+    penalties = Penalties(torch.device("cpu"))
+    rep, plain = SamplingParams(repetition_penalty=1.5), SamplingParams()
+    a, b = _request(0, [4, 4, 9], [], rep), _request(1, [5], [], rep)
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):     # the second step finds both prompts kept, and the same answer
+        got = logits.clone()
+        penalties.apply(got, [a, b])
+        for i, r in enumerate([a, b]):
+            want = reference_row(logits[i], r.prompt_token_ids, [], rep)
+            torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
+    assert sorted(penalties._prompts) == ["r0", "r1"]
+    penalties.apply(logits[:1].clone(), [b])
+    assert sorted(penalties._prompts) == ["r1"]
+    penalties.apply(logits[:1].clone(), [_request(2, [1], [], plain)])
+    assert not penalties._prompts
 
 
 @pytest.mark.parametrize("field, value", [
