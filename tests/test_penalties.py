@@ -2,8 +2,8 @@
 against a plain reference: one row at a time, one token at a time, in Python. On random
 logits (with a token still on the device, as under async scheduling), and on a tiny random
 model, greedy, token for token: colocated (async scheduling on and off, chunked prefill,
-penalized and plain requests in one batch) and disaggregated P -> D over NIXL and Ray, where
-P samples the first token and D the rest."""
+penalized and plain requests in one batch) and disaggregated P -> D over NIXL and Ray and
+through the KV pool, where P samples the first token and D the rest."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_clients import collect
-from pd_cluster import LLM, EngineConfig, SamplingParams
+from engine_clients import collect, prefilled_tokens
+from pd_cluster import LLM, SamplingParams
 from pd_cluster.penalties import Penalties
 from pd_cluster.request import PENDING_TOKEN, Request
 from router.protocol import ChatCompletionRequest, CompletionRequest, parse
@@ -230,20 +230,21 @@ def test_colocated_greedy_equals_the_reference(tiny, expected, async_scheduling)
 
 
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("transport", ["nixl", "ray"])
-def test_disaggregated_greedy_equals_the_reference(tiny, expected, transport):
+@pytest.mark.parametrize("mode, transport", [("disaggregated", "nixl"),
+                                             ("disaggregated", "ray"), ("pooled", "ray")])
+def test_disaggregated_greedy_equals_the_reference(tiny, expected, mode, transport):
     ray = pytest.importorskip("ray")
-    from actors.engine_actor import EngineActor
-    from router.disagg_client import DisaggregatedClient
+    from router.app import start_client
+    from router.app_config import AppConfig
 
-    def actor(role: str):
-        cfg = EngineConfig(model=tiny, block_size=4, num_kv_blocks=80, async_scheduling=True)
-        return EngineActor.options(num_cpus=0).remote(cfg, role, 0, transport, 30.0)
-
-    p, d = [actor("prefill")], [actor("decode")]
+    config = AppConfig.from_args({
+        "mode": mode, "transport": transport,
+        "engine": {"model": tiny, "block_size": 4, "num_kv_blocks": 160, "max_model_len": 512,
+                   "max_num_seqs": 16, "async_scheduling": True},
+        "limits": {"request_timeout_s": 60, "max_tokens": 64}})
+    client = start_client(config, config.engine, {"prefill": {"num_cpus": 0},
+                                                   "decode": {"num_cpus": 0}})
     try:
-        client = DisaggregatedClient.over(p, d)
-
         async def run_all():
             await client.wait_ready(120)
             return await asyncio.gather(*[
@@ -253,8 +254,9 @@ def test_disaggregated_greedy_equals_the_reference(tiny, expected, transport):
         got = [o.outputs[0].token_ids for o in outs]
         for k, name in enumerate(CASES):
             assert got[k * len(PROMPTS):(k + 1) * len(PROMPTS)] == expected[name], name
-        # P computed every prompt (and sampled the first tokens): D only decoded.
-        assert ray.get(p[0].load.remote()).kv_bytes_transferred > 0
+        # P computed every prompt and sampled the first tokens: D only decoded.
+        assert prefilled_tokens(ray.get(client.decode[0].load.remote())) == 0
     finally:
-        for a in p + d:
+        pool = getattr(client.handoff, "pool", None)
+        for a in [*client.prefill, *client.decode, *([pool] if pool is not None else [])]:
             ray.kill(a)
