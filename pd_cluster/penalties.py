@@ -46,7 +46,7 @@ class Penalties:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._previous: PreviousSamples | None = None
-        self._prompts: dict[str, torch.Tensor] = {}
+        self._prompts: dict[Request, torch.Tensor] = {}   # by identity (Request: eq=False)
 
     def remember(self, requests: list[Request], tokens: torch.Tensor) -> None:
         """This step's samples: the next step's pending tokens."""
@@ -57,14 +57,14 @@ class Penalties:
         rows = [i for i, r in enumerate(requests) if r.params.penalized]
         chosen = [requests[i] for i in rows]
         if rows or self._prompts:
-            self._prompts = {r.request_id: self._prompt(r) for r in chosen
+            self._prompts = {r: self._prompt(r) for r in chosen
                              if r.params.repetition_penalty != 1.0}
         if rows:
             index = upload(rows, torch.long, logits.device)
             logits[index] = penalize(logits[index], chosen, self._previous, self._prompts)
 
     def _prompt(self, request: Request) -> torch.Tensor:
-        cached = self._prompts.get(request.request_id)
+        cached = self._prompts.get(request)
         if cached is None:
             distinct = np.unique(np.asarray(request.prompt_token_ids, dtype=np.int64))
             cached = upload_many([distinct], self.device)[0]
@@ -72,9 +72,9 @@ class Penalties:
 
 
 def penalize(logits: torch.Tensor, requests: list[Request], previous: PreviousSamples | None,
-             prompts: dict[str, torch.Tensor]) -> torch.Tensor:
+             prompts: dict[Request, torch.Tensor]) -> torch.Tensor:
     """`logits` [R, V] of requests that each ask for a bias or a penalty, transformed.
-    `prompts`: by request id, the distinct prompt tokens (on the device) of those with a
+    `prompts`: by request, the distinct prompt tokens (on the device) of those with a
     repetition penalty."""
     dev, vocab = logits.device, logits.shape[1]
     biased = [(i, r.params.logit_bias) for i, r in enumerate(requests) if r.params.logit_bias]
@@ -107,18 +107,18 @@ def output_counts(requests: list[Request], vocab: int, device: torch.device,
         if previous is None:
             raise RuntimeError("a request's last token is still on the device, but the "
                                "sampler was not given the step that sampled it")
-        where = {r.request_id: i for i, r in enumerate(previous.requests)}
-        source = upload([where[requests[i].request_id] for i in pending], torch.long, device)
+        where = {id(r): i for i, r in enumerate(previous.requests)}
+        source = upload([where[id(requests[i])] for i in pending], torch.long, device)
         at = upload(pending, torch.long, device) * vocab + previous.tokens[source]
         counts.view(-1).index_add_(0, at, torch.ones(len(pending), device=device))
     return counts
 
 
 def _prompt_indices(requests: list[Request], vocab: int, device: torch.device,
-                    prompts: dict[str, torch.Tensor]) -> torch.Tensor:
+                    prompts: dict[Request, torch.Tensor]) -> torch.Tensor:
     """row * vocab + token for the prompt tokens of the rows with a repetition penalty."""
     rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
-    tokens = [prompts[requests[i].request_id] for i in rows]
+    tokens = [prompts[requests[i]] for i in rows]
     lengths = [len(t) for t in tokens]
     offsets = upload(rows, torch.long, device) * vocab
     # output_size: known here, so the device need not be asked (a sync) for it.

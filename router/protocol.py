@@ -41,10 +41,6 @@ HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache
                       "request_id"})
 
 
-def _is_zero(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
-
-
 def _is_empty(v: Any) -> bool:
     return v is None or v == [] or v == {}
 
@@ -207,10 +203,10 @@ class _Common(BaseModel):
         """Engine parameters of choice `index` (seeded choices differ by their index)."""
         seed = None if self.seed is None else self.seed + index
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p,
-                              seed=seed, stop=list(self.stop or []), max_tokens=max_tokens,
-                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, presence_penalty=self.presence_penalty or 0.0,
+                              min_p=self.min_p, seed=seed, stop=list(self.stop or []),
+                              max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=self.repetition_penalty or 1.0,
                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
