@@ -229,6 +229,21 @@ def test_colocated_greedy_equals_the_reference(tiny, expected, async_scheduling)
         assert got[k * len(PROMPTS):(k + 1) * len(PROMPTS)] == expected[name], name
 
 
+def test_sampled_rows_are_biased_and_penalized_too(tiny):
+    """Temperature 1: a bias of 100 wins every draw; biases of 100 on a set of tokens and a
+    repetition penalty of 2 (a used token's logit halves, to about 50) walk through the set
+    without a repeat."""
+    llm = LLM(tiny, block_size=4, num_kv_blocks=80)
+    forced = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
+                            logit_bias={77: 100.0})
+    allowed = list(range(400, 408))     # in neither prompt
+    walk = SamplingParams(temperature=1.0, seed=4, max_tokens=8, ignore_eos=True,
+                          repetition_penalty=2.0, logit_bias={t: 100.0 for t in allowed})
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [forced, walk])
+    assert outs[0].outputs[0].token_ids == [77] * 8
+    assert sorted(outs[1].outputs[0].token_ids) == allowed
+
+
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("mode, transport", [("disaggregated", "nixl"),
                                              ("disaggregated", "ray"), ("pooled", "ray")])
