@@ -117,12 +117,20 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM's; usage rides only the last chunk here
+    include_obfuscation: bool = False      # OpenAI's padding of stream events: not sent here
 
     @field_validator("continuous_usage_stats")
     @classmethod
     def _no_continuous(cls, value: bool) -> bool:
         if value:
             raise ValueError("continuous usage stats are not supported")
+        return value
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("stream obfuscation is not supported; send false")
         return value
 
 

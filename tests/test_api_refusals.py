@@ -165,3 +165,15 @@ def test_every_openai_field_is_honoured_accepted_or_refused_by_name(params, requ
     ruled = set(request_model.model_fields) | protocol.HARMLESS | set(protocol.NEUTRAL)
     missing = fields - ruled
     assert not missing, f"OpenAI fields with no rule in router/protocol.py: {sorted(missing)}"
+    options = importlib.import_module("openai.types.chat.chat_completion_stream_options_param")
+    assert set(options.ChatCompletionStreamOptionsParam.__annotations__) <= \
+        set(protocol.StreamOptions.model_fields)
+
+
+def test_stream_obfuscation_is_refused_unless_off(client):
+    off = post(client, "/v1/chat/completions", CHAT, stream=True,
+               stream_options={"include_usage": True, "include_obfuscation": False})
+    assert off.status_code == 200, off.text
+    on = post(client, "/v1/chat/completions", CHAT, stream=True,
+              stream_options={"include_obfuscation": True})
+    assert error_of(on, 400)["param"] == "stream_options.include_obfuscation"
