@@ -149,6 +149,9 @@ class LLMEngine:
                      request_id: str | None) -> Request:
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
+        vocab = self.model_cfg.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "

@@ -5,7 +5,7 @@ No field is silently ignored. A request body may hold only
   - `HARMLESS` fields, which change nothing about the output (`user`, `metadata`, ...):
     accepted and dropped;
   - `NEUTRAL` fields (sampling fields we do not implement, tools on completions) only at
-    their no-op value (`presence_penalty: 0`, `tools: []`);
+    their no-op value (`length_penalty: 1`, `tools: []`);
     any other value is a 400 naming the field.
 Any other key is refused with a 400 too ("Unrecognized request argument supplied"), as OpenAI
 does. vLLM instead ignores unknown fields; we do not, because an unknown field is most often a
@@ -19,8 +19,9 @@ encode; any such string anywhere in the body is a 400 naming where it is.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
                       field_validator, model_validator)
@@ -34,14 +35,13 @@ from router.tool_calls import ToolMode, ToolPlan, with_parsed_arguments
 MAX_N = 16            # choices per request: each is one engine request
 MAX_STOP_STRINGS = 4  # as OpenAI
 SEED_BOUND = 1 << 63  # the engine seeds a torch.Generator with seed + choice index
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI
+_TOKEN_ID = re.compile(r"[0-9]{1,20}")
 
 # Accepted on both endpoints and dropped: they change nothing about the output.
 HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                      "safety_identifier", "request_id"})
-
-
-def _is_zero(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+                      "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+                      "request_id"})
 
 
 def _is_empty(v: Any) -> bool:
@@ -62,16 +62,9 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (lambda v: v is None or v == "none",
                       'absent or "none"; function calls are not supported'),
     "parallel_tool_calls": (_is_none, "absent; tool calls are on /v1/chat/completions only"),
-    "presence_penalty": (_is_zero, "0; penalties are not supported"),
-    "frequency_penalty": (_is_zero, "0; penalties are not supported"),
-    "repetition_penalty": (lambda v: v is None or (isinstance(v, (int, float))
-                                                   and not isinstance(v, bool) and v == 1),
-                           "1; penalties are not supported"),
     "length_penalty": (lambda v: v is None or (isinstance(v, (int, float))
                                                and not isinstance(v, bool) and v == 1),
                        "1; beam search is not supported"),
-    "logit_bias": (_is_empty, "absent or empty; logit bias is not supported"),
-    "min_p": (_is_zero, "0; min_p is not supported"),
     "best_of": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
                                         and v == 1), "1; best_of is not supported"),
     "use_beam_search": (lambda v: v is None or v is False, "false; beam search is not supported"),
@@ -82,6 +75,8 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (_is_none, "absent; predicted outputs are not supported"),
     "reasoning_effort": (_is_none, "absent; reasoning effort is not supported"),
     "web_search_options": (_is_none, "absent; web search is not supported"),
+    "verbosity": (_is_none, "absent; verbosity is not supported"),
+    "moderation": (_is_none, "absent; moderation is not supported"),
     "guided_grammar": (_is_none, "absent; grammars other than guided_json, guided_regex and "
                                 "guided_choice are not supported"),
     "guided_decoding_backend": (_is_none, "absent; guided decoding is not supported"),
@@ -121,12 +116,20 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM's; usage rides only the last chunk here
+    include_obfuscation: bool = False      # OpenAI's padding of stream events: not sent here
 
     @field_validator("continuous_usage_stats")
     @classmethod
     def _no_continuous(cls, value: bool) -> bool:
         if value:
             raise ValueError("continuous usage stats are not supported")
+        return value
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("stream obfuscation is not supported; send false")
         return value
 
 
@@ -145,8 +148,15 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     # vLLM's extensions, which load generators (ignore_eos) and clients of vLLM rely on.
     top_k: int = Field(0, ge=-1, lt=1 << 31)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    # Penalties (null: off). repetition_penalty is vLLM's (and HF's) extension.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] \
+        | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # Structured output (router/structured_fields.py): OpenAI's and vLLM's.
     response_format: ResponseFormat | None = None
     guided_json: Any = None
@@ -189,6 +199,21 @@ class _Common(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys must be token ids (decimal digits), got {key[:40]!r}")
+        return value
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """400 naming `logit_bias` when it biases a token the tokenizer does not have."""
+        bad = [k for k in self.logit_bias or {} if int(k) >= vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias: token ids must be in [0, {vocab_size}), got "
+                              f"{bad[0][:40]}", param="logit_bias", code=ErrorCode.INVALID_VALUE)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -197,9 +222,14 @@ class _Common(BaseModel):
         """Engine parameters of choice `index` (seeded choices differ by their index)."""
         seed = None if self.seed is None else self.seed + index
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=seed, stop=list(self.stop or []), max_tokens=max_tokens,
-                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, grammar=self._grammar)
+                              min_p=self.min_p, seed=seed, stop=list(self.stop or []),
+                              max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=self.repetition_penalty or 1.0,
+                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                              grammar=self._grammar)
 
 
 class CompletionRequest(_Common):

@@ -147,6 +147,7 @@ class OpenAIServing:
     async def _serve(self, req: CompletionRequest | ChatCompletionRequest,
                      prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
                      fmt: Formatter) -> Body:
+        req.check_token_ids(self.tokenizer.vocab_size)
         jobs = self._jobs(req, prompts, max_tokens, logprobs, fmt.request_id)
         self.check_available()
         self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
