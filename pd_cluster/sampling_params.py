@@ -66,6 +66,8 @@ class SamplingParams:
             ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens,
              "must be an integer >= 0"),
             ("min_tokens", self.min_tokens <= self.max_tokens, "must not exceed max_tokens"),
+            ("min_tokens", self.grammar is None or self.min_tokens == 0,
+             "must be 0 with a grammar (it would ban the end the grammar needs)"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
                                                   and 0 <= self.logprobs <= 20),
              "must be an integer in [0, 20]"),

@@ -220,6 +220,10 @@ class _Common(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         """Engine parameters of choice `index` (seeded choices differ by their index)."""
+        if self._grammar is not None and self.min_tokens:
+            raise APIError(400, "min_tokens: must be 0 with structured output or a required "
+                           "tool call (it would ban the end the grammar needs).",
+                           param="min_tokens", code=ErrorCode.UNSUPPORTED_VALUE)
         seed = None if self.seed is None else self.seed + index
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               min_p=self.min_p, seed=seed, stop=list(self.stop or []),

@@ -42,6 +42,7 @@ def test_each_field_gives_its_grammar(model):
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
+    ({"guided_regex": "a", "min_tokens": 2}, "min_tokens"),
 ])
 def test_bad_constraints_are_400_naming_the_field(body, param):
     with pytest.raises(APIError) as e:
