@@ -78,7 +78,7 @@ class Request:
     # Prefill side of a disaggregated request: after its first token, keep its KV blocks
     # (status TRANSFERRING) until the engine is told the transfer is over.
     hold_kv: bool = False
-    # A grammar-constrained request's matcher (pd_cluster/structured), built on first use.
+    # A grammar-constrained request's matcher (pd_cluster/structured), built at admission.
     grammar_state: Any = None
 
     @property
