@@ -65,6 +65,17 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def schema_grammar(schema: dict[str, Any] | bool, param: str) -> GrammarSpec:
+    """The checked grammar of a JSON schema; a 400 naming `param` if it is not usable (too
+    deeply nested to serialize included)."""
+    try:
+        spec = GrammarSpec.json_schema(schema)
+    except RecursionError:
+        raise bad_request(f"{param}: the schema is nested too deeply", param=param,
+                          code=ErrorCode.INVALID_VALUE) from None
+    return checked(spec, param)
+
+
 def checked(spec: GrammarSpec, param: str) -> GrammarSpec:
     """`spec` if llguidance can build it; else a 400 naming `param` with its reason."""
     try:
@@ -88,7 +99,8 @@ def output_grammar(response_format: ResponseFormat | None, guided_json: Any,
                               "'json_schema'", param="response_format.json_schema",
                               code=ErrorCode.INVALID_VALUE)
         schema = fmt.schema_ if fmt.schema_ is not None else {"type": "object"}
-        asked.append(("response_format.json_schema.schema", GrammarSpec.json_schema(schema)))
+        param = "response_format.json_schema.schema"
+        asked.append((param, schema_grammar(schema, param)))
     if guided_json is not None:
         if isinstance(guided_json, str):      # vLLM takes the schema as JSON text too
             try:
@@ -98,14 +110,15 @@ def output_grammar(response_format: ResponseFormat | None, guided_json: Any,
         if not isinstance(guided_json, (dict, bool)):
             raise bad_request("guided_json: must be a JSON schema (an object, or its JSON "
                               "text)", param="guided_json", code=ErrorCode.INVALID_VALUE)
-        asked.append(("guided_json", GrammarSpec.json_schema(guided_json)))
+        asked.append(("guided_json", schema_grammar(guided_json, "guided_json")))
     if guided_regex is not None:
-        asked.append(("guided_regex", GrammarSpec.regex(guided_regex)))
+        asked.append(("guided_regex", checked(GrammarSpec.regex(guided_regex), "guided_regex")))
     if guided_choice is not None:
-        asked.append(("guided_choice", GrammarSpec.choice(guided_choice)))
+        asked.append(("guided_choice", checked(GrammarSpec.choice(guided_choice),
+                                               "guided_choice")))
     if len(asked) > 1:
         names = ", ".join(p.split(".")[0] for p, _ in asked)
         raise bad_request(f"{asked[1][0].split('.')[0]}: only one output constraint per "
                           f"request; got {names}", param=asked[1][0].split(".")[0],
                           code=ErrorCode.INVALID_VALUE)
-    return checked(asked[0][1], asked[0][0]) if asked else None
+    return asked[0][1] if asked else None

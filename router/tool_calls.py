@@ -27,7 +27,7 @@ from pd_cluster.request import FinishReason
 from pd_cluster.structured import GrammarSpec
 from router.errors import ErrorCode, bad_request
 from router.responses import ChatFormatter, Choice, Logprobs
-from router.structured_fields import NamedToolChoice, Tool, checked
+from router.structured_fields import NamedToolChoice, Tool, schema_grammar
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
@@ -74,14 +74,14 @@ class ToolPlan:
         """The constraint `required` and a named function put on the output."""
         if self.mode is ToolMode.NAMED:
             fn = next(t.function for t in self.tools if t.function.name == self.name)
-            return checked(GrammarSpec.json_schema(fn.schema), "tools.function.parameters")
+            return schema_grammar(fn.schema, "tools.function.parameters")
         if self.mode is ToolMode.REQUIRED:
             calls = [{"type": "object", "additionalProperties": False,
                       "required": ["name", "parameters"],
                       "properties": {"name": {"const": t.function.name},
                                      "parameters": t.function.schema}} for t in self.tools]
             schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-            return checked(GrammarSpec.json_schema(schema), "tools.function.parameters")
+            return schema_grammar(schema, "tools.function.parameters")
         return None
 
 

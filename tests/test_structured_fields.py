@@ -11,6 +11,9 @@ from router.errors import APIError
 from router.protocol import ChatCompletionRequest, CompletionRequest, parse
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+DEEP: dict = {"type": "object"}
+for _ in range(900):      # deeper than json.dumps can serialize
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 
 
 def grammar(model=CompletionRequest, **body):
@@ -43,6 +46,7 @@ def test_each_field_gives_its_grammar(model):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
     ({"guided_regex": "a", "min_tokens": 2}, "min_tokens"),
+    ({"guided_json": DEEP}, "guided_json"),
 ])
 def test_bad_constraints_are_400_naming_the_field(body, param):
     with pytest.raises(APIError) as e:
