@@ -29,6 +29,15 @@ BLOCK = 8192                # the two-pass loop's chunk (16 warps)
 
 
 @triton.jit
+def quantize_row(x):
+    """One whole row x [BLOCK] float32 (masked lanes 0) -> (xq [BLOCK] e4m3, scale): the
+    kernel below's one-pass math, for kernels that quantize the row they produce."""
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1.0 / (448.0 * 512.0))
+    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _per_token_quant_kernel(X, XQ, Scale, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
                             MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
                             ONE_PASS: tl.constexpr):

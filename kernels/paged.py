@@ -16,7 +16,10 @@ and softmax stay fp32), V's multiplied into the finished output (`load_kv_scales
 Measured on an H100 (bf16 q, 32 heads, 8 KV heads, head_dim 128, block 16): decode over fp8
 KV took 339 / 293 / 184 us against bf16's 364 / 372 / 190 us at 64 x 4096, 256 x 1024 and
 8 x 16384 tokens of context: half the bytes, but not half the time (bf16 already ran at
-~2.9 TB/s; widening the tiles costs). An fp8 tensor-core dot (q quantized) is left to try.
+~2.9 TB/s; widening the tiles costs). Tried and slower on an H100 (64 x 1024 and 256 x 1024,
+2026-11-25): the scores as (k @ q.T).T, so the widened K tile is wgmma's register operand
+(1.84 against 1.92 TB/s, 2.19 against 2.34). An fp8 tensor-core dot (q quantized) is left to
+try.
 """
 from __future__ import annotations
 

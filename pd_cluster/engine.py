@@ -17,6 +17,8 @@ from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, S
 from pd_cluster.spec_decode.decoder import SpecStats
 from pd_cluster.spec_decode.engine_hooks import build_spec_decoder
 from pd_cluster.step_totals import StepWork, new_totals
+from pd_cluster.structured.constraint import GrammarConstraint
+from pd_cluster.structured.matcher import GrammarState, GrammarVocabulary
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
@@ -39,6 +41,9 @@ class LLMEngine:
         self.spec = build_spec_decoder(config, self) if config.speculative else None
         self.runner = ModelRunner(config, model_dir, self.model_cfg, self.max_model_len,
                                   os.path.basename(os.path.normpath(model_dir)))
+        if self.tokenizer is not None:
+            self.runner.grammar = GrammarConstraint(GrammarVocabulary(
+                self.tokenizer.hf, self.tokenizer.eos_token_ids, self.model_cfg.vocab_size))
         self.kv = KVCacheManager(self.runner.kv_layout.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -150,6 +155,9 @@ class LLMEngine:
                      request_id: str | None) -> Request:
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
+        vocab = self.model_cfg.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
@@ -160,11 +168,17 @@ class LLMEngine:
         if need > self.kv.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the KV cache has "
                              f"{self.kv.num_blocks}; lower max_tokens or enlarge the KV cache")
+        if params.grammar is not None and self.tokenizer is None:
+            raise ValueError(f"model {self.model_dir!r} has no tokenizer: a grammar-constrained "
+                             f"request needs one")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        return Request(request_id, token_ids, params, eos_token_ids=frozenset(eos))
+        req = Request(request_id, token_ids, params, eos_token_ids=frozenset(eos))
+        if params.grammar is not None:    # built now: a grammar it cannot use is refused
+            req.grammar_state = GrammarState.start(self.runner.grammar.vocab, params.grammar)
+        return req
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

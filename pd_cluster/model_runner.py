@@ -35,6 +35,7 @@ from pd_cluster.request import PENDING_TOKEN, Request
 from pd_cluster.sampler import Sampler, Samples
 from pd_cluster.scheduler import SchedulerOutput
 from pd_cluster.spec_decode.verify import SpecRow, verify
+from pd_cluster.structured.constraint import GrammarConstraint
 from pd_cluster.upload import upload_many
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
@@ -155,6 +156,7 @@ class ModelRunner:
             self.backend = ScaledKVBackend(self.backend, self.kv_cache, self.kv_scale_tensor)
         self._kv_shards: list[tuple[torch.Tensor, KVLayout]] | None = None
         self.sampler = Sampler(self.device)
+        self.grammar: GrammarConstraint | None = None    # set by an engine with a tokenizer
         self._last_tokens: torch.Tensor | None = None    # a follower's copy of the samples
         self.graphs = None
         # Not yet with tensor parallelism: a graph would have to capture the collectives.
@@ -279,6 +281,8 @@ class ModelRunner:
         sampling = [s.request for s in plan.scheduled if s.samples and not s.draft]
         if not sampling:
             return LaunchedStep(plan, [], {}, None, None, None, emitted)
+        if self.grammar is not None:    # masks computed while the forward pass runs
+            self.grammar.apply(logits, sampling, prev)
         samples = self.sampler(logits, sampling)
         if self.tp_size > 1:
             dist.broadcast_tensor(samples.tokens)    # the followers' next input tokens

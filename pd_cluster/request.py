@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pd_cluster.sampling_params import SamplingParams
 
@@ -80,6 +81,8 @@ class Request:
     # Speculative decoding (pd_cluster/spec_decode/): draft tokens verified, and kept.
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # A grammar-constrained request's matcher (pd_cluster/structured), built at admission.
+    grammar_state: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

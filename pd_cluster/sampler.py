@@ -1,7 +1,9 @@
 """Turns the logits of the sampling positions into next tokens (and their logprobs).
 
-Seeded requests draw their noise from a generator of their own, advanced once per step, so a
-request's samples do not depend on which other requests share its batch.
+Logit bias and penalties come first (pd_cluster/penalties.py), then the min_tokens mask, then
+greedy argmax or sampling. Seeded requests draw their noise from a generator of their own,
+advanced once per step, so a request's samples do not depend on which other requests share
+its batch.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pd_cluster.penalties import Penalties
 from pd_cluster.request import Request
 from pd_cluster.upload import upload
 
@@ -17,6 +20,7 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
+        self.penalties = Penalties(device)
 
     def skip_draw(self, request: Request, vocab_size: int) -> None:
         """Advance a seeded request's generator past one draw made by another engine (its
@@ -30,12 +34,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> "Samples":
         """logits: [S, V] fp32, one row per request -> the samples, still on the device."""
+        self.penalties.apply(logits, requests)
         self._mask_stop_tokens(logits, requests)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
             rows = upload(sampled_rows, torch.long, logits.device)
             tokens[rows] = self._sample(logits[rows], [requests[i] for i in sampled_rows])
+        self.penalties.remember(requests, tokens)
         top = max((r.params.logprobs or 0 for r in requests if r.params.logprobs is not None),
                   default=None)
         if top is None:

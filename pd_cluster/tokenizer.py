@@ -54,9 +54,11 @@ class Tokenizer:
         return bool(self.hf.chat_template)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """Token ids of an OpenAI-style message list rendered with the model's chat template.
+        """Token ids of an OpenAI-style message list rendered with the model's chat template
+        (with `tools`, OpenAI-style function definitions, for a template that renders them).
 
         Raises:
             ValueError: if the tokenizer has no chat template.
@@ -67,7 +69,8 @@ class Tokenizer:
                 "use plain-text completions or a model with a chat template"
             )
         text = self.hf.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            tools=tools
         )
         # The template writes its own special tokens (BOS, <|im_start|>); adding them again on
         # encode would duplicate them.

@@ -132,6 +132,8 @@ class DisaggregatedClient:
                 done = len(acc.token_ids)
                 left = dataclasses.replace(params, max_tokens=params.max_tokens - done,
                                            min_tokens=max(0, params.min_tokens - done))
+                if params.grammar is not None:   # its matcher replays what was streamed
+                    left.grammar = params.grammar.continued(acc.token_ids)
                 try:
                     await self.streams.open(attempt_id, (DECODE, d_id), self.table.actors[DECODE][d_id])
                     early = await self._start(request_id, attempt_id,

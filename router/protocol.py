@@ -4,8 +4,8 @@ No field is silently ignored. A request body may hold only
   - the fields the models declare, which we honour (or refuse by value: `echo: true`), and
   - `HARMLESS` fields, which change nothing about the output (`user`, `metadata`, ...):
     accepted and dropped;
-  - `NEUTRAL` fields (sampling, structured-output and tool fields we do not implement) only at
-    their no-op value (`presence_penalty: 0`, `tools: []`, `response_format: {"type": "text"}`);
+  - `NEUTRAL` fields (sampling fields we do not implement, tools on completions) only at
+    their no-op value (`length_penalty: 1`, `tools: []`);
     any other value is a 400 naming the field.
 Any other key is refused with a 400 too ("Unrecognized request argument supplied"), as OpenAI
 does. vLLM instead ignores unknown fields; we do not, because an unknown field is most often a
@@ -19,26 +19,29 @@ encode; any such string anywhere in the body is a 400 naming where it is.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+                      field_validator, model_validator)
 
 from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.structured import GrammarSpec
 from router.errors import APIError, ErrorCode, bad_request
+from router.structured_fields import ResponseFormat, Tool, ToolChoice, output_grammar
+from router.tool_calls import ToolMode, ToolPlan, with_parsed_arguments
 
 MAX_N = 16            # choices per request: each is one engine request
 MAX_STOP_STRINGS = 4  # as OpenAI
 SEED_BOUND = 1 << 63  # the engine seeds a torch.Generator with seed + choice index
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI
+_TOKEN_ID = re.compile(r"[0-9]{1,20}")
 
 # Accepted on both endpoints and dropped: they change nothing about the output.
 HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                      "safety_identifier", "request_id"})
-
-
-def _is_zero(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+                      "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+                      "request_id"})
 
 
 def _is_empty(v: Any) -> bool:
@@ -52,25 +55,16 @@ def _is_none(v: Any) -> bool:
 # Fields we do not implement, accepted only at the value that changes nothing: field →
 # (is the value a no-op?, what the no-op values are, for the message).
 NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        'absent or {"type": "text"}; structured output is not supported'),
-    "tools": (_is_empty, "absent or empty; tool calls are not supported"),
+    "tools": (_is_empty, "absent or empty; tool calls are on /v1/chat/completions only"),
     "tool_choice": (lambda v: v is None or v == "none",
-                    'absent or "none"; tool calls are not supported'),
+                    'absent or "none"; tool calls are on /v1/chat/completions only'),
     "functions": (_is_empty, "absent or empty; function calls are not supported"),
     "function_call": (lambda v: v is None or v == "none",
                       'absent or "none"; function calls are not supported'),
-    "parallel_tool_calls": (_is_none, "absent; tool calls are not supported"),
-    "presence_penalty": (_is_zero, "0; penalties are not supported"),
-    "frequency_penalty": (_is_zero, "0; penalties are not supported"),
-    "repetition_penalty": (lambda v: v is None or (isinstance(v, (int, float))
-                                                   and not isinstance(v, bool) and v == 1),
-                           "1; penalties are not supported"),
+    "parallel_tool_calls": (_is_none, "absent; tool calls are on /v1/chat/completions only"),
     "length_penalty": (lambda v: v is None or (isinstance(v, (int, float))
                                                and not isinstance(v, bool) and v == 1),
                        "1; beam search is not supported"),
-    "logit_bias": (_is_empty, "absent or empty; logit bias is not supported"),
-    "min_p": (_is_zero, "0; min_p is not supported"),
     "best_of": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
                                         and v == 1), "1; best_of is not supported"),
     "use_beam_search": (lambda v: v is None or v is False, "false; beam search is not supported"),
@@ -81,10 +75,10 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (_is_none, "absent; predicted outputs are not supported"),
     "reasoning_effort": (_is_none, "absent; reasoning effort is not supported"),
     "web_search_options": (_is_none, "absent; web search is not supported"),
-    "guided_json": (_is_none, "absent; guided decoding is not supported"),
-    "guided_regex": (_is_none, "absent; guided decoding is not supported"),
-    "guided_choice": (_is_none, "absent; guided decoding is not supported"),
-    "guided_grammar": (_is_none, "absent; guided decoding is not supported"),
+    "verbosity": (_is_none, "absent; verbosity is not supported"),
+    "moderation": (_is_none, "absent; moderation is not supported"),
+    "guided_grammar": (_is_none, "absent; grammars other than guided_json, guided_regex and "
+                                "guided_choice are not supported"),
     "guided_decoding_backend": (_is_none, "absent; guided decoding is not supported"),
     "guided_whitespace_pattern": (_is_none, "absent; guided decoding is not supported"),
     "structured_outputs": (_is_none, "absent; structured output is not supported"),
@@ -122,12 +116,20 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM's; usage rides only the last chunk here
+    include_obfuscation: bool = False      # OpenAI's padding of stream events: not sent here
 
     @field_validator("continuous_usage_stats")
     @classmethod
     def _no_continuous(cls, value: bool) -> bool:
         if value:
             raise ValueError("continuous usage stats are not supported")
+        return value
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("stream obfuscation is not supported; send false")
         return value
 
 
@@ -146,8 +148,27 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     # vLLM's extensions, which load generators (ignore_eos) and clients of vLLM rely on.
     top_k: int = Field(0, ge=-1, lt=1 << 31)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    # Penalties (null: off). repetition_penalty is vLLM's (and HF's) extension.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] \
+        | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # Structured output (router/structured_fields.py): OpenAI's and vLLM's.
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    _grammar: GrammarSpec | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _output_grammar(self) -> Any:
+        self._grammar = output_grammar(self.response_format, self.guided_json,
+                                       self.guided_regex, self.guided_choice)
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -178,17 +199,41 @@ class _Common(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys must be token ids (decimal digits), got {key[:40]!r}")
+        return value
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """400 naming `logit_bias` when it biases a token the tokenizer does not have."""
+        bad = [k for k in self.logit_bias or {} if int(k) >= vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias: token ids must be in [0, {vocab_size}), got "
+                              f"{bad[0][:40]}", param="logit_bias", code=ErrorCode.INVALID_VALUE)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         """Engine parameters of choice `index` (seeded choices differ by their index)."""
+        if self._grammar is not None and self.min_tokens:
+            raise APIError(400, "min_tokens: must be 0 with structured output or a required "
+                           "tool call (it would ban the end the grammar needs).",
+                           param="min_tokens", code=ErrorCode.UNSUPPORTED_VALUE)
         seed = None if self.seed is None else self.seed + index
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=seed, stop=list(self.stop or []), max_tokens=max_tokens,
-                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs)
+                              min_p=self.min_p, seed=seed, stop=list(self.stop or []),
+                              max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=self.repetition_penalty or 1.0,
+                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                              grammar=self._grammar)
 
 
 class CompletionRequest(_Common):
@@ -236,7 +281,7 @@ class ChatMessage(BaseModel):
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             msg["content"] = "".join(part["text"] for part in self.content)
-        return msg
+        return with_parsed_arguments(msg)
 
 
 class ChatCompletionRequest(_Common):
@@ -245,13 +290,34 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Tool calls (router/tool_calls.py); several calls in one turn are allowed, not refusable.
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: ToolPlan = PrivateAttr(ToolPlan(ToolMode.NONE))
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs",
                               code=ErrorCode.INVALID_VALUE)
+        if self.parallel_tool_calls is False:
+            raise APIError(400, "parallel_tool_calls: must be true or absent; limiting a turn "
+                           "to one tool call is not supported.", param="parallel_tool_calls",
+                           code=ErrorCode.UNSUPPORTED_VALUE)
+        self._tool_plan = ToolPlan.of(self.tools, self.tool_choice)
+        grammar = self._tool_plan.grammar()
+        if grammar is not None:
+            if self._grammar is not None:
+                raise bad_request("tool_choice: a required or named tool cannot be combined "
+                                  "with another output constraint", param="tool_choice",
+                                  code=ErrorCode.INVALID_VALUE)
+            self._grammar = grammar
         return self
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        return self._tool_plan
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -32,6 +32,7 @@ from router.responses import (ChatFormatter, Choice, CompletionFormatter, Format
                               usage)
 from router.routing import RoutingPolicy
 from router.streams import Admission, merge
+from router.tool_calls import ToolCallFormatter, ToolMode
 
 logger = logging.getLogger(__name__)
 Body = dict[str, Any] | AsyncIterator[str]   # a JSON body, or SSE events to stream
@@ -69,7 +70,8 @@ class OpenAIServing:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
         self.check_model(req.model)
         try:
-            ids = self.tokenizer.apply_chat_template([m.template_dict() for m in req.messages])
+            ids = self.tokenizer.apply_chat_template([m.template_dict() for m in req.messages],
+                                                     tools=req.tool_plan.template_tools())
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors are the client's messages
@@ -78,6 +80,9 @@ class OpenAIServing:
         top = (req.top_logprobs or 0) if req.logprobs else None
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.config.engine.model,
                             self.tokenizer, top)
+        if req.tool_plan.mode is not ToolMode.NONE:
+            fmt = ToolCallFormatter(fmt.request_id, fmt.model, self.tokenizer, top,
+                                    req.tool_plan)
         return await self._serve(req, [self._check_length(ids)], req.requested_max_tokens,
                                  top, fmt)
 
@@ -142,6 +147,7 @@ class OpenAIServing:
     async def _serve(self, req: CompletionRequest | ChatCompletionRequest,
                      prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
                      fmt: Formatter) -> Body:
+        req.check_token_ids(self.tokenizer.vocab_size)
         jobs = self._jobs(req, prompts, max_tokens, logprobs, fmt.request_id)
         self.check_available()
         self.metrics.prompt_tokens.inc(sum(map(len, prompts)))

@@ -2,8 +2,10 @@
 test_router_api): a few hundred seeded mutations of valid request bodies on both endpoints —
 wrong types for each field, extreme numbers (huge ints, negatives, NaN/Infinity as the JSON
 parser accepts them, 1e308), deep nesting, long strings, lone surrogates, junk keys, nulls,
-arrays for objects and back, and broken bytes and headers. Every answer must be < 500, every
-4xx body OpenAI's error schema, and a correct request must still succeed afterwards."""
+arrays for objects and back, penalties and logit biases at and past their limits (token ids
+outside the vocabulary, keys that are not token ids), and broken bytes and headers. Every
+answer must be < 500, every 4xx body OpenAI's error schema, and a correct request must still
+succeed afterwards. test_api_fuzz_serve runs the same mutations against the real server."""
 from __future__ import annotations
 
 import copy
@@ -20,10 +22,13 @@ MUTATIONS_PER_ENDPOINT = 200
 COMPLETION = {"model": "default", "prompt": "Hi there", "max_tokens": 2, "temperature": 0.7,
               "top_p": 0.9, "n": 1, "stop": ["\n"], "seed": 1, "logprobs": 1,
               "stream": False, "top_k": 5, "min_tokens": 0, "ignore_eos": False,
-              "user": "u"}
+              "user": "u", "presence_penalty": 0.5, "frequency_penalty": 0.2,
+              "repetition_penalty": 1.1, "logit_bias": {"11": 1.5, "30": -2}}
 CHAT = {"model": "default", "max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "n": 1,
         "stop": "\n", "seed": 1, "logprobs": True, "top_logprobs": 1, "stream": False,
         "stream_options": {"include_usage": True}, "max_completion_tokens": 2,
+        "presence_penalty": -0.5, "frequency_penalty": 1.0, "repetition_penalty": 0.9,
+        "logit_bias": {"198": -100},
         "messages": [{"role": "system", "content": "Be brief."},
                      {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
 # Never the scripted engine's trigger words ("slow", "refuse", "crash").
@@ -32,6 +37,18 @@ STRINGS = ["", " ", "x" * 20_000, "é" * 3000, "\ud800", "a\udfffb", "\x00", "\u
            "user", "text", "\n" * 100]
 NUMBERS = [0, -1, 1, 2, 17, 33, 2 ** 31, 2 ** 63, 2 ** 64 + 1, -(2 ** 70), 10 ** 40, 0.5, -0.0,
            1e308, -1e308, 5e-324, float("nan"), float("inf"), float("-inf")]
+
+# Values of the penalty fields at and past their limits, of wrong kinds, and logit biases of
+# tokens outside the vocabulary (49152 ids) or keyed by what is not a token id.
+_BIASES = [{"49151": 100}, {"49152": 1}, {"-1": 1}, {str(2 ** 70): 1}, {"1e3": 1}, {"abc": 1},
+           {" 5": 1}, {"\u0663": 1}, {"5": 100.5}, {"5": -100}, {"5": "x"}, {"5": None},
+           {"5": [1]}, {str(i): 1 for i in range(301)}, {str(i): -100 for i in range(300)}]
+PENALTY_VALUES = {
+    "presence_penalty": [2, -2, 2.0000001, -2.5, "1", True, None, [0.5]],
+    "frequency_penalty": [2, -2, 3, -1e308, "x", False, None, {"a": 1}],
+    "repetition_penalty": [0, -1, 1e-9, 1e308, 2 ** 64, "1.2", None, True],
+    "logit_bias": _BIASES + [[], [1, 2], "x", 5, None],
+}
 
 
 def deep(depth: int, kind: str) -> Any:
@@ -82,9 +99,13 @@ def mutate(rng: random.Random, base: dict) -> dict | list | Any:
         if not isinstance(body, dict):
             break
         spots = paths(body)
-        op = rng.randrange(6)
+        op = rng.randrange(7)
         if op == 5 or not spots:          # the body itself is not an object
             return junk(rng, body)
+        if op == 6:
+            field = rng.choice(list(PENALTY_VALUES))
+            body[field] = rng.choice(PENALTY_VALUES[field])
+            continue
         path = rng.choice(spots)
         parent: Any = body
         for key in path[:-1]:

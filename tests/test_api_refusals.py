@@ -2,10 +2,12 @@
 (a lone surrogate, valid JSON) is a 400 naming the field, not a tokenizer crash (500)."""
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
 
+from router import protocol
 from tests.test_router_api import AUTH, error_of, make_client, tokenizer  # noqa: F401
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -24,21 +26,8 @@ def post(client, path: str, body: dict, **extra):
 
 
 REFUSED = [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"),
-    ("tool_choice", "required"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
-    ("parallel_tool_calls", True),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -1),
-    ("repetition_penalty", 1.2),
-    ("logit_bias", {"50256": -100}),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("guided_choice", ["yes", "no"]),
     ("guided_grammar", "root ::= 'x'"),
     ("guided_decoding_backend", "xgrammar"),
     ("best_of", 2),
@@ -46,7 +35,8 @@ REFUSED = [
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}),
-    ("min_p", 0.1),
+    ("verbosity", "low"),
+    ("moderation", {"input": {"mode": "block"}}),
     ("use_beam_search", True),
     ("reasoning_effort", "high"),
 ]
@@ -59,6 +49,21 @@ def test_unhonoured_fields_are_refused_naming_the_field(client, path, body, fiel
     error = error_of(post(client, path, body, **{field: value}), 400)
     assert error["param"] == field and field in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_value"
+
+
+# Tool calls are honoured on chat (tests/test_tool_calls.py), refused on completions; on chat
+# every call may be parallel: asking for none is refused.
+@pytest.mark.parametrize("path, body, field, value", [
+    ("/v1/completions", PROMPT, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/completions", PROMPT, "tool_choice", "auto"),
+    ("/v1/completions", PROMPT, "tool_choice", "required"),
+    ("/v1/completions", PROMPT, "parallel_tool_calls", True),
+    ("/v1/chat/completions", CHAT, "parallel_tool_calls", False),
+])
+def test_tool_fields_are_refused_where_not_honoured(client, path, body, field, value):
+    error = error_of(post(client, path, body, **{field: value}), 400)
+    assert error["param"] == field and field in error["message"]
+    assert error["code"] == "unsupported_value"
 
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", PROMPT),
@@ -74,7 +79,9 @@ HARMLESS = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier
             "seed": 7, "stream_options": None, "response_format": {"type": "text"},
             "tools": [], "tool_choice": "none", "presence_penalty": 0, "frequency_penalty": 0.0,
             "repetition_penalty": 1, "logit_bias": {}, "best_of": 1, "modalities": ["text"],
-            "functions": [], "function_call": "none", "guided_json": None, "suffix": None}
+            "functions": [], "function_call": "none", "guided_json": None, "suffix": None,
+            "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"},
+            "verbosity": None, "min_p": 0.05}
 
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", PROMPT),
@@ -151,3 +158,28 @@ def test_surrogate_in_a_key_and_deep_nesting_are_400(client):
 def test_extreme_numbers_are_400(client, field, value):
     text = '{"prompt": "Hi", "%s": %s}' % (field, value)
     assert error_of(raw(client, "/v1/completions", text), 400)["param"] == field
+
+
+@pytest.mark.parametrize("params, request_model", [
+    ("completion_create_params", protocol.CompletionRequest),
+    ("chat.completion_create_params", protocol.ChatCompletionRequest)])
+def test_every_openai_field_is_honoured_accepted_or_refused_by_name(params, request_model):
+    """No field of the official client's request types falls through to "Unrecognized
+    request argument" (which would call an OpenAI field unknown)."""
+    module = importlib.import_module(f"openai.types.{params}")
+    fields = set(module.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    ruled = set(request_model.model_fields) | protocol.HARMLESS | set(protocol.NEUTRAL)
+    missing = fields - ruled
+    assert not missing, f"OpenAI fields with no rule in router/protocol.py: {sorted(missing)}"
+    options = importlib.import_module("openai.types.chat.chat_completion_stream_options_param")
+    assert set(options.ChatCompletionStreamOptionsParam.__annotations__) <= \
+        set(protocol.StreamOptions.model_fields)
+
+
+def test_stream_obfuscation_is_refused_unless_off(client):
+    off = post(client, "/v1/chat/completions", CHAT, stream=True,
+               stream_options={"include_usage": True, "include_obfuscation": False})
+    assert off.status_code == 200, off.text
+    on = post(client, "/v1/chat/completions", CHAT, stream=True,
+              stream_options={"include_obfuscation": True})
+    assert error_of(on, 400)["param"] == "stream_options.include_obfuscation"

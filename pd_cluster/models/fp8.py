@@ -8,9 +8,11 @@
     x_scale  [T, 1]  float32, max(amax(|x[t]|) / 448, MIN_SCALE), computed for every call
     y        [T, N]  x's dtype: (xq * x_scale) @ (w8 * w_scale[:, None]).T (+ bias)
 
-On CUDA the GEMM is `torch._scaled_mm` with row-wise scales (scale_a x_scale [T, 1], scale_b
-w_scale [1, N]) on the FP8 tensor cores, and x is quantized by the Triton kernel of
-kernels/fp8_quant.py. Row-wise scales need sm89+ (Ada, Hopper), and _scaled_mm refuses K or N
+On CUDA the GEMM runs on the FP8 tensor cores: kernels/fp8_linear.py's Triton kernel for the
+decode-sized shapes it is faster at, else `torch._scaled_mm` with row-wise scales (scale_a
+x_scale [T, 1], scale_b w_scale [1, N]). x is quantized by the Triton kernel of
+kernels/fp8_quant.py, or arrives quantized (`Fp8Activation`) from the RMSNorm or
+SiLU-and-mul kernel that produced it. Row-wise scales need sm89+ (Ada, Hopper), and _scaled_mm refuses K or N
 not a multiple of 16 (seen on an H100, torch 2.11): older GPUs, and layers of such shapes
 (none in real Llama-family models; the tiny test models' dims are multiples of 16 too), take
 the float32 path below, on the GPU, rather than padding: slower, but only where it is rare.
@@ -26,6 +28,7 @@ that copy of the weight. The results agree to float32 rounding (tests/test_fp8_w
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -66,20 +69,47 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+@dataclass(frozen=True, slots=True)
+class Fp8Activation:
+    """An activation already quantized per token by the op that produced it (the FP8 layers'
+    RMSNorms and SiLU-and-mul, `pd_cluster.models.ops`), so the GEMM reading it launches no
+    quant of its own: xq [..., K] e4m3, scale [..., 1] float32, dtype the activation's (and
+    the GEMM output's) own. The same values `quantize_per_token` gives the unquantized x."""
+
+    xq: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.xq.shape
+
+    @staticmethod
+    def of(x: torch.Tensor) -> "Fp8Activation":
+        xq, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+        return Fp8Activation(xq.view(x.shape), scale.view(*x.shape[:-1], 1), x.dtype)
+
+
+def fp8_linear(x: torch.Tensor | Fp8Activation, w8: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T + bias with w = w8 * w_scale[:, None] and x quantized per token (module
-    docstring). x [..., K] -> y [..., N] in x's dtype."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    xq, x_scale = quantize_per_token(x2)
+    docstring), unless it comes quantized. x [..., K] -> y [..., N] in x's dtype."""
+    act = x if isinstance(x, Fp8Activation) else Fp8Activation.of(x)
+    shape = act.shape
+    xq, x_scale = act.xq.reshape(-1, shape[-1]), act.scale.reshape(-1, 1)
     n, k = w8.shape
-    if x.is_cuda and _fp8_gpu(x.device) and k % 16 == 0 and n % 16 == 0:
+    m = xq.shape[0]
+    gpu = xq.is_cuda and _fp8_gpu(xq.device)
+    small = _small_kernel() if gpu else None
+    if small is not None and small.takes(m, n) and xq.stride(-1) == 1:
+        # Decode-sized batches: a Triton kernel that streams w8 faster than cuBLAS there.
+        y = small.fp8_linear_small(xq, x_scale, w8, w_scale, act.dtype)
+    elif gpu and k % 16 == 0 and n % 16 == 0:
         y = torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w_scale.view(1, n),
-                             out_dtype=x.dtype)
+                             out_dtype=act.dtype)
     else:
         # The exact math in float32 (the CPU path, and GPUs or shapes _scaled_mm cannot take).
-        y = ((xq.float() * x_scale) @ (w8.float() * w_scale[:, None]).t()).to(x.dtype)
+        y = ((xq.float() * x_scale) @ (w8.float() * w_scale[:, None]).t()).to(act.dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], n)
@@ -94,6 +124,15 @@ def dequantize_weight(w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
 def _fp8_gpu(device: torch.device) -> bool:
     """FP8 tensor cores (sm89+): row-wise _scaled_mm and Triton's e4m3 casts."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _small_kernel():
+    try:
+        import kernels.fp8_linear as small
+    except ImportError:         # no Triton: cuBLAS
+        return None
+    return small
 
 
 @functools.cache

@@ -17,14 +17,15 @@ from pd_cluster.models.parallel import MergedColumnParallelLinear, RowParallelLi
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, quantize: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.quantize = quantize    # an FP8 layer reads the output: hand it over quantized
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise x (after adding residual, if given). Returns x, or (x, new residual)."""
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual, self.quantize)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -94,4 +95,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (summed over the ranks)."""
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), self.down_proj.fp8))

@@ -68,8 +68,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # FP8 projections read the norms' outputs quantized by the norm kernels themselves.
+        fp8 = cfg.quantization == "fp8"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, quantize=fp8)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, quantize=fp8)
 
     def forward(self, x, residual, positions, rope, ctx):
         if residual is None:

@@ -10,6 +10,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from pd_cluster.models import fp8
+
 _kernels = None  # the kernels modules, once enabled
 _linear = None   # kernels.linear.Dispatch, once enabled
 
@@ -50,13 +52,16 @@ def _fast(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
-    """weight * rmsnorm(x [+ residual]); with a residual, returns (out, x + residual)."""
-    if _fast(x) and x.is_contiguous():
+             residual: torch.Tensor | None = None, quantize: bool = False):
+    """weight * rmsnorm(x [+ residual]); with a residual, returns (out, x + residual). With
+    `quantize` (an FP8 layer reads out) out is an `Fp8Activation`, quantized in the norm's
+    own kernel on GPU."""
+    if _fast(x) and x.is_contiguous() and (not quantize or fp8._fp8_gpu(x.device)):
         rmsnorm = _kernels[0]
         if residual is None:
-            return rmsnorm.rms_norm(x, weight, eps)
-        return rmsnorm.fused_add_rms_norm(x, residual, weight, eps)
+            return _activation(rmsnorm.rms_norm(x, weight, eps, quantize), x.dtype)
+        out, residual = rmsnorm.fused_add_rms_norm(x, residual, weight, eps, quantize)
+        return _activation(out, x.dtype), residual
     if residual is not None:
         x = x + residual
         residual = x
@@ -64,11 +69,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * xf.to(dtype)
+    if quantize:
+        out = fp8.Fp8Activation.of(out)
     return out if residual is None else (out, residual)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, quantize: bool = False):
+    """silu(gate) * up of x = [gate | up]; with `quantize` an `Fp8Activation` (module
+    docstring of kernels/activation.py)."""
     if _fast(x):
-        return _kernels[1].silu_and_mul(x)
+        activation = _kernels[1]
+        if not quantize:
+            return activation.silu_and_mul(x)
+        if fp8._fp8_gpu(x.device) and x.shape[-1] // 2 <= activation.QUANT_MAX_INTER:
+            return _activation(activation.silu_and_mul(x, quantize=True), x.dtype)
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    return fp8.Fp8Activation.of(out) if quantize else out
+
+
+def _activation(out, dtype: torch.dtype):
+    """A quantizing kernel's (xq, scale) as an Fp8Activation; a plain tensor as it is."""
+    return fp8.Fp8Activation(*out, dtype) if isinstance(out, tuple) else out

@@ -32,9 +32,11 @@ def can_speculate(request: Request) -> bool:
     """Whether a request's sampling allows speculation at all. Requests whose next-token
     distribution depends on the tokens before it in ways verification does not model stay
     plain: logprobs (reported per step), a min_tokens floor not yet reached (stop tokens
-    masked). Grammar-constrained requests and penalties will be added here."""
+    masked), a grammar (its mask depends on every token before) and biases or penalties
+    (they change the logits verification would have to reproduce per position)."""
     p = request.params
-    return (p.logprobs is None and not request.hold_kv
+    return (p.logprobs is None and p.grammar is None and not p.penalized
+            and not request.hold_kv
             and len(request.output_token_ids) >= p.min_tokens)
 
 

@@ -1,0 +1,113 @@
+"""The decode step's FP8 weight GEMMs on this GPU: per-token quant + cuBLAS `_scaled_mm` (the
+path above kernels/fp8_linear.MAX_ROWS) against kernels/fp8_linear.py's W8A8 and W8A16 tiles.
+
+    python bench/fp8_gemm_bench.py [--batches 32,64,128] [--out FILE]
+
+Llama-3.1-8B's decoder-layer shapes (lm_head stays bf16), weights e4m3 with per-row scales,
+x bf16. Timed as bench/gemm_bench.py times: graphs of calls cycling through more weight
+copies than L2 holds. Reported per call: microseconds and weight bandwidth (weight bytes /
+time); every output is checked against a float32 product first. Prints JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.gemm_bench import CALLS, SHAPES, time_graph  # noqa: E402
+from kernels.fp8_linear import fp8_linear_small  # noqa: E402
+from kernels.fp8_quant import per_token_quant  # noqa: E402
+from pd_cluster.models.fp8 import quantize_weight  # noqa: E402
+
+TILES = [(32, 256), (32, 512), (64, 256), (64, 128), (128, 128), (128, 256), (16, 512)]
+WARPS = (4, 8)
+STAGES = (3, 4)
+
+
+def quant(x, w):
+    return per_token_quant(x)
+
+
+def scaled_mm(xq, w):
+    """Pre-quantized x (xq, x_scale): cuBLAS alone."""
+    w8, scale = w
+    return torch._scaled_mm(xq[0], w8.t(), scale_a=xq[1], scale_b=scale.view(1, -1),
+                            out_dtype=torch.bfloat16)
+
+
+def cublas(x, w):
+    return scaled_mm(per_token_quant(x), w)
+
+
+def variants(m: int) -> dict:
+    """label -> (fn, takes pre-quantized x)."""
+    out = {"quant alone": (quant, False), "scaled_mm alone": (scaled_mm, True),
+           "quant+scaled_mm": (cublas, False)}
+    for a8 in (True, False) if m <= 64 else (True,):
+        for bn, bk in TILES:
+            for warps in WARPS:
+                for stages in STAGES:
+                    label = f"{'w8a8' if a8 else 'w8a16'} n{bn} k{bk} w{warps} s{stages}"
+                    out[label] = ((lambda a8, bn, bk, wp, st: lambda x, w: fp8_linear_small(
+                        *((x[0], w[0], w[1], x[1], torch.bfloat16) if a8 else (x, *w)),
+                        block_n=bn, block_k=bk, num_warps=wp, num_stages=st))(
+                            a8, bn, bk, warps, stages), a8)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="32,64,128")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "calls_per_graph": CALLS, "rows": []}
+    for name, (n, k) in SHAPES.items():
+        if name == "lm_head":
+            continue
+        copies = max(2, -(-(400 << 20) // (n * k)))
+        weights = [quantize_weight(torch.randn(n, k, device="cuda") * k ** -0.5)
+                   for _ in range(copies)]
+        ws = [weights[i % copies] for i in range(CALLS)]
+        for m in map(int, args.batches.split(",")):
+            xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(CALLS)]
+            xqs = [per_token_quant(x) for x in xs]
+            w8, scale = ws[0]
+            ref = xs[0].float() @ (w8.float() * scale[:, None]).T
+            row = {"shape": name, "M": m, "N": n, "K": k}
+            for label, (fn, a8) in variants(m).items():
+                inputs = xqs if a8 else xs
+                try:
+                    if not label.startswith("quant alone"):
+                        err = ((fn(inputs[0], ws[0]).float() - ref).norm() / ref.norm()).item()
+                        if not err < 5e-2:
+                            row[label] = {"error": err}
+                            continue
+                    us = time_graph(fn, inputs, ws)
+                except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
+                    row[label] = {"error": str(e)[:80]}
+                    continue
+                row[label] = {"us": round(us, 2), "TBps": round(n * k / us / 1e6, 3)}
+            timed = sorted((v["us"], lab) for lab, v in row.items()
+                           if isinstance(v, dict) and "us" in v and lab[:2] == "w8")
+            row["best"] = timed[:4]
+            res["rows"].append(row)
+            print(f"{name:8s} M={m:4d} quant {row['quant alone'].get('us')} scaled_mm "
+                  f"{row['scaled_mm alone'].get('us')} both {row['quant+scaled_mm'].get('us')}"
+                  f" | best {timed[:3]}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    text = json.dumps(res, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""FP8 (e4m3) GEMM for decode-sized batches, W8A8 on the FP8 tensor cores: the weight
+streamed once from memory, as kernels/linear.py streams a 16-bit one.
+
+    xq       [M, K]  float8_e4m3fn, unit stride on K; x quantized per token (kernels/fp8_quant,
+                     or fused into the RMSNorm / SiLU-and-mul that produced it)
+    x_scale  [M, 1]  float32                          x ~ xq * x_scale
+    w8       [N, K]  float8_e4m3fn, contiguous        w ~ w8 * w_scale[:, None]
+    w_scale  [N]     float32, one scale per output row
+    y        [M, N]  out_dtype: (xq @ w8.T) * x_scale * w_scale[None, :]
+
+The math of per-token quant + `torch._scaled_mm` with row-wise scales. A decode step's GEMMs
+are bound by the weight's bytes, and at small M cuBLAS's FP8 kernels stream them slowly on
+an H100 (1.1-2.3 TB/s against a 3 TB/s copy; bench/fp8_gemm_bench.py), mostly because their
+tiles leave SMs idle on the narrow shapes. Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)), row
+tiles fastest: the programs sharing a weight tile run together and only the first reads it
+from memory. `takes` says where this kernel is used instead of cuBLAS.
+
+Also measured and dropped: widening w8 to fp16 in registers for a 16-bit dot with x
+unquantized (W8A16) was 1.3-2.1x slower than this at M = 64; quantizing x inside the GEMM
+(every program re-reading and dividing all of x) was 5-10x slower.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+# The largest batch this kernel takes (`takes` says which shapes); above it the GEMMs turn
+# compute-bound, and cuBLAS's tensor-core pipelines win.
+MAX_ROWS = 256
+
+
+@triton.jit
+def _fp8_linear_kernel(X, XS, W, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = (k0 + offs_k) < K
+        x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    x_scale = tl.load(XS + offs_m, mask=mask_m, other=0.0)
+    w_scale = tl.load(WS + offs_n, mask=mask_n, other=0.0)
+    acc = acc * x_scale[:, None] * w_scale[None, :]
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def takes(m: int, n: int) -> bool:
+    """Whether this kernel beats per-token quant + cuBLAS `_scaled_mm` at M rows and N output
+    columns (bench/results/fp8_gemm_h100x1.json, 8B shapes on an H100, x pre-quantized in
+    both): every shape at M <= 64 (qkv 13.7 against 16.8 us, o 10.8 / 14.8, gate_up
+    46.7 / 50.6, down 26.1 / 39.5); at M = 128 all but gate_up (52.8 / 50.1); at M = 256 only
+    o and down (13.2 / 15.0, 34.5 / 39.3), where N is small and cuBLAS's tiles leave SMs idle."""
+    return m <= 64 or (m <= 128 and n < 16384) or (m <= MAX_ROWS and n <= 4096)
+
+
+def tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_stages), the fastest measured for each 8B shape (`takes`'s
+    source): wider tiles as M grows, narrow deep ones for long K, so every SM streams."""
+    if m <= 64:
+        if k >= 8192:
+            return 32, 512, 4
+        if n >= 16384:
+            return 64, 256, 3
+        return (64, 256, 4) if n >= 6000 else (32, 512, 4)
+    if m <= 128:
+        if k >= 8192:
+            return 64, 256, 4
+        return (128, 256, 4) if n >= 6000 else (64, 256, 4)
+    return 128, 256, 4
+
+
+def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
+                     w_scale: torch.Tensor, out_dtype: torch.dtype,
+                     block_n: int | None = None, block_k: int | None = None,
+                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """y = (xq * x_scale) @ (w8 * w_scale[:, None]).T in out_dtype, the module docstring's;
+    the tiles default to `tiles`."""
+    m, k = xq.shape
+    n = w8.shape[0]
+    assert xq.dtype == w8.dtype == FP8 and xq.stride(-1) == 1 and w8.is_contiguous()
+    assert w8.shape[1] == k and x_scale.shape == (m, 1) and x_scale.is_contiguous()
+    default_n, default_k, default_stages = tiles(m, n, k)
+    block_n, block_k = block_n or default_n, block_k or default_k
+    block_m = max(16, min(64, triton.next_power_of_2(m)))
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_linear_kernel[grid](xq, x_scale, w8, w_scale, y, m, n, k, xq.stride(0),
+                             w8.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_K=block_k, num_warps=num_warps,
+                             num_stages=num_stages or default_stages)
+    return y
+
+
+def fp8_linear_small_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
+                         w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's math in float32 by torch."""
+    return ((xq.float() * x_scale) @ (w8.float() * w_scale[:, None]).t()).to(out_dtype)
