@@ -152,3 +152,32 @@ def test_stop_strings_end_a_speculative_step_where_plain_decoding_stops(default_
         assert spec.outputs[0].text == plain.outputs[0].text
         assert spec.outputs[0].finish_reason == plain.outputs[0].finish_reason == "stop"
     assert spec_llm.engine.spec.stats.accepted > 0
+
+
+def test_grammar_penalties_and_logprobs_stay_plain(tiny_model_root):
+    """`can_speculate` is the one predicate: requests whose logits or outputs verification
+    does not reproduce decode plainly, in the same batch as speculating ones, and their
+    output is what a non-speculating engine gives."""
+    from pd_cluster.request import Request
+    from pd_cluster.spec_decode.decoder import can_speculate
+    from pd_cluster.structured.spec import GrammarKind, GrammarSpec
+
+    model_dir = loopy_model("llama_gqa", tiny_model_root)
+    prompts = mixed_prompts()[:4]
+    params = [GREEDY,
+              SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             logit_bias={7: 2.0}),
+              SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)]
+    plain = LLM(model_dir, block_size=4).generate(prompts, params)
+    outs = LLM(model_dir, block_size=4, speculative={"method": "ngram"}).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    for got, want in zip(outs[3].outputs[0].logprobs, plain[3].outputs[0].logprobs):
+        assert got.keys() == want.keys()     # batch shapes differ: values up to rounding
+        assert all(abs(got[t] - want[t]) < 1e-4 for t in got)
+    assert outs[0].spec_proposed_tokens > 0
+    assert [o.spec_proposed_tokens for o in outs[1:]] == [0, 0, 0]
+    grammar = SamplingParams(temperature=0, grammar=GrammarSpec(GrammarKind.REGEX, "[ab]+"))
+    assert not can_speculate(Request("g", [1, 2], grammar))
+    assert can_speculate(Request("p", [1, 2], SamplingParams(temperature=0)))
