@@ -36,7 +36,7 @@ from pd_cluster.sampler import Sampler, Samples
 from pd_cluster.scheduler import SchedulerOutput
 from pd_cluster.spec_decode.verify import SpecRow, verify
 from pd_cluster.structured.constraint import GrammarConstraint
-from pd_cluster.upload import upload_many
+from pd_cluster.upload import upload, upload_many
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
 
@@ -308,10 +308,11 @@ class ModelRunner:
             if s.draft:
                 specs.append(SpecRow(s.request, s.draft, draft_probs.get(s.request.request_id)))
             at += width
-        rows = torch.tensor(spec, device=logits.device)
-        tokens = verify(logits[rows], specs, self.sampler)
+        # Only verifications (the batch-1 case): no gathers, no index uploads.
+        spec_logits = logits if not plain else logits[upload(spec, torch.long, logits.device)]
+        tokens = verify(spec_logits, specs, self.sampler)
         emitted = {row.request.request_id: t for row, t in zip(specs, tokens)}
-        return logits[torch.tensor(plain, device=logits.device, dtype=torch.long)], emitted
+        return logits[upload(plain, torch.long, logits.device)] if plain else None, emitted
 
     @torch.inference_mode()
     def logits(self, plan: SchedulerOutput) -> torch.Tensor | None:
