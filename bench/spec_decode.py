@@ -50,9 +50,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def release(llm: LLM) -> None:
-    llm.close()
-    del llm
+def free_device() -> None:
+    """After a run's engine is gone (its function returned): give its memory back, so the
+    next engine sizes its KV cache from a free GPU."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -73,13 +73,10 @@ def timed_request(engine, prompt, params):
     return final, time.perf_counter() - first
 
 
-def copy_case(model: str, ks: list[int], max_tokens: int, repeats: int, extra: dict) -> dict:
-    """Batch 1, greedy, a copy-heavy chat prompt: plain vs ngram at each k (the median
-    of `repeats` timed runs)."""
-    results, reference = [], None
-    for k in [0] + ks:
-        spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
-        llm = LLM(model, speculative=spec, **extra)
+def copy_run(model: str, k: int, max_tokens: int, repeats: int, extra: dict):
+    """One engine (ngram at k; k = 0: plain): (its row, its tokens, the prompt's length)."""
+    spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
+    with LLM(model, speculative=spec, **extra) as llm:
         prompt = llm.engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{TEXT}"}])
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -89,33 +86,42 @@ def copy_case(model: str, ks: list[int], max_tokens: int, repeats: int, extra: d
             engine.spec.stats = SpecStats()     # the timed runs' alone
         runs = [timed_request(engine, prompt, params) for _ in range(repeats)]
         final = runs[0][0]
-        tokens = final.outputs[0].token_ids
+        tokens = list(final.outputs[0].token_ids)
         rates = sorted((len(tokens) - 1) / s for _, s in runs)
         row = {"k": k, "output_tokens": len(tokens), "decode_tok_s": rates[len(rates) // 2],
                "decode_tok_s_runs": rates}
         if k:
-            row["same_tokens_as_plain"] = list(tokens) == reference
             row["proposed"] = final.spec_proposed_tokens
             row["accepted"] = final.spec_accepted_tokens
             row["acceptance_rate"] = final.spec_accepted_tokens / max(final.spec_proposed_tokens, 1)
             row["engine_stats"] = engine.spec.stats.as_dict()
         else:
-            reference = list(tokens)
             row["text_head"] = final.outputs[0].text[:120]
+        return row, tokens, len(prompt)
+
+
+def copy_case(model: str, ks: list[int], max_tokens: int, repeats: int, extra: dict) -> dict:
+    """Batch 1, greedy, a copy-heavy chat prompt: plain vs ngram at each k (the median
+    of `repeats` timed runs)."""
+    results, reference, prompt_len = [], None, 0
+    for k in [0] + ks:
+        row, tokens, prompt_len = copy_run(model, k, max_tokens, repeats, extra)
+        free_device()
+        if k:
+            row["same_tokens_as_plain"] = tokens == reference
+        else:
+            reference = tokens
         results.append(row)
-        release(llm)
     base = results[0]["decode_tok_s"]
     for row in results[1:]:
         row["speedup"] = row["decode_tok_s"] / base
-    return {"prompt_tokens": len(prompt), "max_tokens": max_tokens, "runs": results}
+    return {"prompt_tokens": prompt_len, "max_tokens": max_tokens, "runs": results}
 
 
-def batch_case(model: str, batch: int, context: int, steps: int, extra: dict) -> dict:
-    """Decode tokens/s of `batch` random-token sequences: plain, default fallback, forced."""
-    runs = []
-    for name, spec in [("plain", None), ("ngram_default_fallback", {"method": "ngram"}),
-                       ("ngram_forced", {"method": "ngram", "max_batch_size": batch})]:
-        llm = LLM(model, load_format="dummy", speculative=spec, **extra)
+def batch_run(model: str, name: str, spec: dict | None, batch: int, context: int, steps: int,
+              extra: dict) -> dict:
+    """One engine's decode tokens/s over `steps` steps of `batch` random-token sequences."""
+    with LLM(model, load_format="dummy", speculative=spec, **extra) as llm:
         engine, rng = llm.engine, random.Random(batch * 7 + context)
         params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context - 1,
                                 ignore_eos=True)
@@ -141,8 +147,16 @@ def batch_case(model: str, batch: int, context: int, steps: int, extra: dict) ->
             engine.abort(i)
         while engine.has_unfinished():
             engine.step()
-        runs.append(row)
-        release(llm)
+        return row
+
+
+def batch_case(model: str, batch: int, context: int, steps: int, extra: dict) -> dict:
+    """Decode tokens/s of `batch` random-token sequences: plain, default fallback, forced."""
+    runs = []
+    for name, spec in [("plain", None), ("ngram_default_fallback", {"method": "ngram"}),
+                       ("ngram_forced", {"method": "ngram", "max_batch_size": batch})]:
+        runs.append(batch_run(model, name, spec, batch, context, steps, extra))
+        free_device()
     base = runs[0]["output_tok_s"]
     for row in runs[1:]:
         row["cost_vs_plain"] = 1 - row["output_tok_s"] / base
