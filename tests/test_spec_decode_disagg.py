@@ -10,7 +10,7 @@ from pd_cluster import LLM, SamplingParams
 from router.routing import Route
 from test_disagg_engine import Pair
 from test_spec_decode import GREEDY, loopy_model
-from tiny_models import make_tiny_model, mixed_prompts
+from tiny_models import mixed_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
