@@ -255,6 +255,9 @@ class AppConfig(BaseModel):
             if tp > 1 and isinstance(spec, ReplicaResources) and 0 < spec.num_gpus < tp:
                 raise ValueError(f"{role}_resources.num_gpus: {spec.num_gpus:g} for "
                                  f"{self._tp_field(role)} {tp}: each rank needs a GPU")
+            if tp > 1 and self.engine.speculative is not None:
+                raise ValueError(f"engine.speculative: not supported with "
+                                 f"{self._tp_field(role)} {tp} yet (one rank only)")
         if self.router_autoscaling is not None and self.router_replicas != 1:
             raise ValueError(
                 f"router_replicas: {self.router_replicas} with router_autoscaling set; leave "

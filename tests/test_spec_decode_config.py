@@ -36,6 +36,10 @@ def test_app_config_validates_engine_speculative():
     assert cfg.engine.speculative.method == "ngram"
     with pytest.raises(ValueError, match="engine.speculative.method"):
         AppConfig.from_args({"engine": {"speculative": {"method": "eagle"}}})
+    with pytest.raises(ValueError, match="^engine.speculative: not supported with "
+                                         "decode_tensor_parallel_size 2"):
+        AppConfig.from_args({"engine": {"speculative": {"method": "ngram"}},
+                             "decode_tensor_parallel_size": 2})
 
 
 def test_helm_values_become_engine_speculative_in_snake_case():
