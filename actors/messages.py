@@ -130,6 +130,9 @@ class StreamDelta:
     num_cached_tokens: int
     error: str | None
     engine_ttft: float | None = None    # RequestOutput.engine_ttft, once known
+    # Speculative decoding on this replica so far (RequestOutput.spec_*: totals, not deltas).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, out: RequestOutput) -> "StreamDelta":
@@ -137,7 +140,7 @@ class StreamDelta:
         lps = None if o.logprobs is None else (o.logprobs[-n:] if n else [])
         return cls(list(out.delta_token_ids), out.delta_text, lps, out.finished,
                    o.finish_reason, o.stop_reason, out.num_cached_tokens, out.error,
-                   out.engine_ttft)
+                   out.engine_ttft, out.spec_proposed_tokens, out.spec_accepted_tokens)
 
 
 class StreamErrorKind(str, enum.Enum):
@@ -175,6 +178,10 @@ class StreamAccumulator:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[dict[int, float]] | None = None
+        # Speculation counts: those of earlier replicas (a re-run starts over at 0), and the
+        # current replica's latest.
+        self._spec_before = (0, 0)
+        self._spec_now = (0, 0)
 
     def add(self, d: StreamDelta) -> RequestOutput:
         self.token_ids += d.token_ids
@@ -183,6 +190,11 @@ class StreamAccumulator:
             self.logprobs = (self.logprobs or []) + d.logprobs
         choice = CompletionOutput(0, self.text, list(self.token_ids), self.logprobs,
                                   d.finish_reason, d.stop_reason)
+        spec = (d.spec_proposed_tokens, d.spec_accepted_tokens)
+        if spec[0] < self._spec_now[0]:          # counting anew: another replica's run
+            self._spec_before = tuple(a + b for a, b in zip(self._spec_before, self._spec_now))
+        self._spec_now = spec
+        proposed, accepted = (a + b for a, b in zip(self._spec_before, spec))
         return RequestOutput(self.request_id, self.prompt_token_ids, [choice], d.finished,
                              d.num_cached_tokens, d.text, list(d.token_ids), d.error,
-                             d.engine_ttft)
+                             d.engine_ttft, proposed, accepted)

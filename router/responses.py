@@ -38,10 +38,17 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          spec_proposed: int = 0, spec_accepted: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; beside it, when the engine speculated, `spec_decode`: draft tokens
+    verified and kept for this request (README, "Speculative decoding")."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if spec_proposed:
+        out["spec_decode"] = {"proposed_tokens": spec_proposed,
+                              "accepted_tokens": spec_accepted}
+    return out
 
 
 class Formatter(ABC):

@@ -221,6 +221,7 @@ class _Run:
         self.first, self.include_usage = first, include_usage
         self.choices = [Choice(job.index) for job in jobs]
         self.cached = [0] * len(jobs)
+        self.spec = [(0, 0)] * len(jobs)       # draft tokens (proposed, accepted) per choice
         self.engine_ttft: float | None = None   # of the first output that carried one
 
     async def _items(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -237,6 +238,7 @@ class _Run:
         choice.logprobs = list(done.logprobs or [])
         choice.finish_reason = done.finish_reason if out.finished else None
         self.cached[i] = out.num_cached_tokens
+        self.spec[i] = (out.spec_proposed_tokens, out.spec_accepted_tokens)
         if self.engine_ttft is None:
             self.engine_ttft = out.engine_ttft
         return choice.token_ids[sent:], choice.logprobs[sent:]
@@ -246,7 +248,8 @@ class _Run:
         firsts = [job for job in self.jobs if job.index % n == 0]  # the prompt counts once
         return usage(sum(len(job.prompt_ids) for job in firsts),
                      sum(len(c.token_ids) for c in self.choices),
-                     sum(self.cached[job.index] for job in firsts))
+                     sum(self.cached[job.index] for job in firsts),
+                     sum(p for p, _ in self.spec), sum(a for _, a in self.spec))
 
     async def collect(self) -> dict[str, Any]:
         try:

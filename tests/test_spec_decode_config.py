@@ -69,3 +69,36 @@ def test_router_exports_pd_spec_decode_metrics_per_replica():
     assert 'pd_spec_decode_accepted_total{replica="0",role="decode"} 15.0' in text
     assert 'pd_spec_decode_acceptance_rate{replica="0",role="decode"} 0.75' in text
     assert 'role="prefill"} ' not in text.split("pd_spec_decode_steps")[1].split("# HELP")[0]
+
+
+def test_usage_names_the_drafts_a_request_verified(default_model_dir):
+    """The HTTP usage carries the request's draft counts (`spec_decode`) when its engine
+    speculated, and stays OpenAI's own otherwise."""
+    import dataclasses
+
+    from pd_cluster.tokenizer import load_tokenizer
+    from test_router_api import complete, make_client
+
+    client, engine = make_client(load_tokenizer(default_model_dir))
+    scripted = engine.generate
+
+    async def speculating(*args, **kwargs):
+        async for out in scripted(*args, **kwargs):
+            yield dataclasses.replace(out, spec_proposed_tokens=8, spec_accepted_tokens=5)
+
+    with client:
+        plain = complete(client, n=2, max_tokens=3).json()["usage"]
+        engine.generate = speculating
+        usage = complete(client, n=2, max_tokens=3).json()["usage"]
+    assert "spec_decode" not in plain
+    assert usage == {**plain, "spec_decode": {"proposed_tokens": 16, "accepted_tokens": 10}}
+
+
+def test_draft_counts_add_up_across_a_re_run_on_another_replica():
+    from actors.messages import StreamAccumulator, StreamDelta
+
+    acc = StreamAccumulator("r", [1, 2])
+    for proposed, accepted in [(4, 3), (8, 6), (2, 1)]:     # the third: another replica
+        out = acc.add(StreamDelta([5], "x", None, False, None, None, 0, None, None,
+                                  proposed, accepted))
+    assert (out.spec_proposed_tokens, out.spec_accepted_tokens) == (10, 7)

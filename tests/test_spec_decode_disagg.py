@@ -76,6 +76,7 @@ def test_actors_speculate_on_d_and_after_migration(transport, method, tiny_model
         final = asyncio.run(collect(client, "m", prompts[0], long, Route(0, 0),
                                     kill_after_some))
         assert final.outputs[0].token_ids == expected
+        assert final.spec_accepted_tokens > 0       # both replicas' counts, added up
         # The D that took over (replica 1) kept speculating for the migrated request.
         after = {ld.replica_id: ld.spec_decode["accepted"]
                  for ld in asyncio.run(client.loads()) if ld.role == "decode"}
