@@ -85,6 +85,7 @@ class DistributedKVCache:
         # that overtook it) is refused instead of holding blocks nobody will read.
         self._released: dict[str, float] = {}
         self.hold_s = hold_s
+        self.moved = {"put": 0, "get": 0}   # blocks written into the pool, read out of it
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, daemon=True)
@@ -129,6 +130,14 @@ class DistributedKVCache:
             self._track("get", peer, grant)
             return grant
 
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """How many keys, from the first, the pool holds now (no pin: a get may find fewer)."""
+        with self._lock:
+            cached, n = self.index.cached, 0
+            while n < len(keys) and keys[n] in cached:
+                n += 1
+            return n
+
     def end_put(self, transfer_id: str) -> int:
         """Wait for the put to settle; the number of blocks it added, or a TransferError."""
         return len(self._settle_wait(transfer_id).block_ids)
@@ -162,14 +171,16 @@ class DistributedKVCache:
             ix = self.index
             reserved = sum(len(p.grant.block_ids) for p in self._pending.values()
                            if p.kind == "put" and not p.settled)
+            block_bytes = self.transport.layout.block_bytes * 2 * self.transport.layout.num_layers
             return dict(capacity=ix.num_blocks, free=len(ix.free_ids), cached=len(ix.cached),
                         reserved=reserved, pinned=len(ix.pins), holds=len(self._holds),
                         request_blocks=len(ix.orphans) + sum(
                             isinstance(k, RequestKey) for k in ix.cached),
                         hits=ix.hits, misses=ix.misses, evictions=ix.evictions,
-                        in_flight=self.transport.in_flight(),
-                        block_bytes=self.transport.layout.block_bytes * 2
-                        * self.transport.layout.num_layers)
+                        in_flight=self.transport.in_flight(), block_bytes=block_bytes,
+                        capacity_bytes=ix.num_blocks * block_bytes,
+                        bytes_in=self.moved["put"] * block_bytes,
+                        bytes_out=self.moved["get"] * block_bytes)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -192,6 +203,8 @@ class DistributedKVCache:
             return
         p.settled = True
         ok = p.transfer.state is TransferState.DONE
+        if ok:   # blocks moved in (put) or out (get), for the bytes in/out metrics
+            self.moved[p.kind] += len(p.grant.block_ids)
         if p.kind == "put":
             if ok:
                 kept = self.index.insert(p.grant.keys, p.grant.block_ids)

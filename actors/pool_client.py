@@ -24,6 +24,7 @@ timeout_s, raises TransferError, and the pool's side of the transfer is aborted.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,16 +36,21 @@ from actors.handoff import Handover, KVEndpoint, KVHandoff, Prefill
 from actors.kv_pool import Grant, start_pool
 from actors.messages import KVDestination, PooledKV, PrefillResult
 from actors.pool_index import Key, prompt_keys
+from actors.pool_reuse import reuse_prefix
 from actors.transport_pump import TransportPump
+from pd_cluster.block_allocator import Block
 from pd_cluster.engine import LLMEngine
 from transfer.base import KVTransport, TransferError
 from transfer.messages import KVDescriptor
+
+log = logging.getLogger(__name__)
 
 
 class PoolClient:
     def __init__(self, pool: Any, pump: TransportPump, timeout_s: float):
         self.pool, self.pump, self.timeout_s = pool, pump, timeout_s
         self.agent = self.pool_agent = ""  # our transport's name; the pool's
+        self.dead = False   # the pool actor died: every call fails at once from then on
 
     async def connect(self) -> None:
         """Open channels both ways (two-sided transports acknowledge through them)."""
@@ -62,6 +68,10 @@ class PoolClient:
         confirm = self.pool.end_put.remote(grant.transfer_id)
         await self._move(True, grant, block_ids)
         return await self._call("end_put", confirm)
+
+    async def lookup(self, keys: Sequence[Key]) -> int:
+        """How many of `keys`, from the first, the pool holds now."""
+        return await self._call("lookup", self.pool.lookup.remote(list(keys)))
 
     async def get(self, keys: Sequence[Key], block_ids: Sequence[int]) -> int:
         """Fill our `block_ids` with the longest cached prefix of `keys`; returns its length."""
@@ -96,9 +106,12 @@ class PoolClient:
         return await asyncio.wrap_future(self.pump.call(fn))
 
     async def _call(self, method: str, ref: Any) -> Any:
+        if self.dead:   # found dead before: fail at once, without a round trip
+            raise TransferError(f"the KV pool actor is dead ({method} not tried)")
         try:
             return await asyncio.wait_for(ref, self.timeout_s)
         except RayActorError as e:
+            self.dead = True
             raise TransferError(f"the KV pool actor died during {method}: {e}") from e
         except RayTaskError as e:
             raise TransferError(f"the KV pool refused {method}: {e.cause!r}") from e
@@ -182,7 +195,8 @@ class PoolHandoff(KVHandoff):
 
     async def accept(self, attempt_id: str, result: PrefillResult,
                      reservation: Any) -> PrefillResult | None:
-        if await reservation is None:   # D had no room: it prefills the prompt itself
+        # D had no room, or the pool died with the prompt's blocks: D prefills it itself.
+        if await reservation is None or not result.kv.stored:
             self.release(attempt_id)
             return None
         return result
@@ -204,10 +218,23 @@ class PoolHandoff(KVHandoff):
                    prefill: Prefill) -> Handover:
         end = self.end
         keys = prompt_keys(request_id, prompt_ids, end.layout.block_size)
-        last = await prefill()
+        kept = await reuse_prefix(end, self.client, prompt_ids, keys)
+        try:
+            last = await prefill()
+        except BaseException:
+            _release_soon(end, kept)
+            raise
         started = time.monotonic()
-        blocks = await end.loop.call(lambda e: _held_blocks(e, request_id))
-        added = await self.client.put(keys, blocks, hold=request_id)
+        # The request now holds the reused blocks itself: drop our references with the look.
+        blocks = await end.loop.call(lambda e: _held_blocks(e, request_id, kept))
+        try:
+            added = await self.client.put(keys, blocks, hold=request_id)
+        except TransferError as e:
+            if not self.client.dead:
+                raise
+            # No pool to put into: never a failed request for that; D prefills it itself.
+            log.warning("%s: the KV pool is gone (%s); the decode side prefills it", request_id, e)
+            return Handover(last, PooledKV(keys, stored=False), 0, started, started)
         return Handover(last, PooledKV(keys), end.bytes_of(added), started, started)
 
     async def receive(self, request_id: str, reservation: KVDestination,
@@ -226,8 +253,15 @@ class PoolHandoff(KVHandoff):
         end.count(end.bytes_of(got), time.monotonic() - start)
 
 
-def _held_blocks(engine: LLMEngine, request_id: str) -> list[int]:
+def _held_blocks(engine: LLMEngine, request_id: str, kept: list[Block]) -> list[int]:
+    engine.kv.release_blocks(kept)
     req = engine.scheduler.holding.get(request_id)
     if req is None:
         raise RuntimeError(f"prefill of {request_id} was aborted")
     return list(req.block_ids)
+
+
+def _release_soon(end: KVEndpoint, blocks: list[Block]) -> None:
+    """Drop the references `reuse_prefix` took (a failed or aborted prefill), not waited on."""
+    if blocks:
+        asyncio.ensure_future(end.loop.call(lambda e: e.kv.release_blocks(blocks)))

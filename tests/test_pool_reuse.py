@@ -1,0 +1,67 @@
+"""Prefix reuse from the KV pool (pooled mode, real Ray actors): a prefill engine reads the
+prompt's prefix blocks the pool holds instead of computing them, and the output stays
+exactly a cold run's."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine_clients import collect, prefilled_tokens
+from pd_cluster import LLM, SamplingParams
+from router.routing import Route
+from tiny_models import make_tiny_model
+
+ray = pytest.importorskip("ray")
+from router.app import start_client  # noqa: E402
+from router.app_config import AppConfig  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+OPTIONS = {"prefill": {"num_cpus": 0}, "decode": {"num_cpus": 0}}
+BS = 16   # the engines' block size (EngineConfig's default)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_root):
+    return make_tiny_model("llama_gqa", tiny_model_root)
+
+
+@pytest.fixture(scope="module")
+def pooled(ray_cluster, tiny):
+    """Two prefill engines (one puts a prefix into the pool, the other reads it), one decoder."""
+    config = AppConfig.from_args({"mode": "pooled", "transport": "nixl", "num_prefill": 2,
+                                  "engine": {"model": tiny, "max_model_len": 512,
+                                             "max_num_seqs": 8},
+                                  "limits": {"request_timeout_s": 30, "max_tokens": 400}})
+    client = start_client(config, config.engine, OPTIONS)
+    asyncio.run(client.wait_ready(120))
+    yield client
+    for a in [*client.prefill, *client.decode, client.handoff.pool]:
+        ray.kill(a)
+
+
+def load_of(actor):
+    return ray.get(actor.load.remote())
+
+
+def test_prefill_reads_the_pools_prefix_instead_of_computing_it(pooled, tiny):
+    rng = random.Random(27)
+    shared = rng.sample(range(3, 500), 6 * BS)                 # 6 full blocks
+    first = shared + rng.sample(range(3, 500), 10)             # puts them into the pool
+    second = shared + rng.sample(range(3, 500), 2 * BS + 5)    # 8 full blocks + a tail
+    cold = [o.outputs[0].token_ids for o in LLM(tiny).generate([first, second], GREEDY)]
+
+    out = asyncio.run(collect(pooled, "r0", first, GREEDY, Route(0, 0)))
+    assert out.outputs[0].token_ids == cold[0]
+    hits_before = ray.get(pooled.handoff.pool.stats.remote())["hits"]
+    p1_before = prefilled_tokens(load_of(pooled.prefill[1]))
+
+    # Prefill engine 1 has none of it cached: 6 of the 8 full blocks (3/4) come from the pool.
+    out = asyncio.run(collect(pooled, "r1", second, GREEDY, Route(0, 1)))
+    assert out.outputs[0].token_ids == cold[1]
+    computed = prefilled_tokens(load_of(pooled.prefill[1])) - p1_before
+    assert computed == len(second) - 6 * BS == 37
+    assert out.num_cached_tokens >= 6 * BS            # the API's cached_tokens
+    stats = ray.get(pooled.handoff.pool.stats.remote())
+    assert stats["hits"] - hits_before >= 6 and stats["bytes_out"] > 0
