@@ -80,6 +80,14 @@ class PoolClient:
         await self._move(False, grant, block_ids)
         return await self._call("end_get", confirm)
 
+    async def alive(self) -> bool:
+        """Whether the pool actor answers (a failed transfer may have been its death)."""
+        try:
+            await self._call("lookup", self.pool.lookup.remote([]))
+            return True
+        except TransferError:
+            return False
+
     def release(self, hold: str) -> Any:
         """End a hold in the pool (fire and forget; await the result to wait for it)."""
         return self.pool.release.remote(hold)
@@ -230,7 +238,7 @@ class PoolHandoff(KVHandoff):
         try:
             added = await self.client.put(keys, blocks, hold=request_id)
         except TransferError as e:
-            if not self.client.dead:
+            if await self.client.alive():
                 raise
             # No pool to put into: never a failed request for that; D prefills it itself.
             log.warning("%s: the KV pool is gone (%s); the decode side prefills it", request_id, e)
