@@ -5,7 +5,7 @@ and shared by it and both engine actors:
 
     PushHandoff (mode `disaggregated`): after each layer P writes that layer's blocks into
         blocks D reserved, so the transfer overlaps the next layer; D waits for the writes.
-    PoolHandoff (mode `pooled`, actors/pool_client.py): after the prefill P puts the prompt's
+    PoolHandoff (mode `pooled`, actors/pool_handoff.py): after the prefill P puts the prompt's
         blocks into the KV pool, held there for D under the attempt id; D reads the blocks
         it lacks and ends the hold. P and D never address each other.
 

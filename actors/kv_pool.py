@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from actors.pool_index import BlockIndex, Key, RequestKey
+from actors.pool_shm import SegmentHandle, SharedSegment
 from pd_cluster.kv_layout import KVLayout
 from transfer.base import Transfer, TransferError, TransferState
 from transfer.registry import make_transport
@@ -71,10 +72,17 @@ class DistributedKVCache:
 
     def __init__(self, layout: KVLayout, backend: str = "nixl", name: str | None = None,
                  timeout_s: float = 30.0, lease_s: float = 10.0, device: str = "cpu",
-                 hold_s: float = 60.0, transport_options: dict | None = None):
-        pin = device == "cpu" and torch.cuda.is_available()  # pinned host memory DMAs at full speed
-        self.kv = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device,
-                              pin_memory=pin)
+                 hold_s: float = 60.0, transport_options: dict | None = None,
+                 shared_memory: bool = False):
+        self.node_id = node_id()
+        self.segment: SharedSegment | None = None
+        if shared_memory and device == "cpu":   # engines on this node map it (actors/pool_shm.py)
+            self.segment = SharedSegment.create(layout, self.node_id)
+            self.kv = self.segment.kv
+        else:
+            pin = device == "cpu" and torch.cuda.is_available()  # pinned memory DMAs at full speed
+            self.kv = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device,
+                                  pin_memory=pin)
         self.transport = make_transport(backend, name, timeout_s=timeout_s, lease_s=lease_s,
                                         **(transport_options or {}))
         self.transport.register(self.kv, layout)
@@ -86,6 +94,7 @@ class DistributedKVCache:
         self._released: dict[str, float] = {}
         self.hold_s = hold_s
         self.moved = {"put": 0, "get": 0}   # blocks written into the pool, read out of it
+        self.copied = 0   # of those, blocks an engine on this node copied itself (end_local)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, daemon=True)
@@ -93,6 +102,29 @@ class DistributedKVCache:
 
     def descriptor(self) -> bytes:
         return self.transport.descriptor().encode()
+
+    def node(self) -> str:
+        """The Ray node this pool runs on."""
+        return self.node_id
+
+    def shared(self) -> SegmentHandle | None:
+        """Where engines on this pool's node map its block memory (None: no segment)."""
+        return None if self.segment is None else self.segment.handle
+
+    def end_local(self, transfer_id: str, ok: bool) -> int:
+        """Confirm a put or get whose blocks the engine copied itself, through the shared
+        segment (`ok`: the copy worked); the same result as end_put / end_get. Nobody renews
+        its lease meanwhile: a copier that died (or took longer than lease_s) expires it."""
+        with self._lock:
+            p = self._pending.get(transfer_id)
+            if p is not None and not p.settled:
+                self.copied += len(p.grant.block_ids) if ok else 0
+                if ok:
+                    p.transfer.state = TransferState.DONE
+                else:
+                    self.transport.abort(p.transfer, "the engine's copy failed")
+                self._settle(p)
+        return len(self._settle_wait(transfer_id).block_ids)
 
     def connect(self, peer_descriptor: bytes) -> str:
         with self._lock:
@@ -180,13 +212,16 @@ class DistributedKVCache:
                         in_flight=self.transport.in_flight(), block_bytes=block_bytes,
                         capacity_bytes=ix.num_blocks * block_bytes,
                         bytes_in=self.moved["put"] * block_bytes,
-                        bytes_out=self.moved["get"] * block_bytes)
+                        bytes_out=self.moved["get"] * block_bytes,
+                        bytes_copied=self.copied * block_bytes)
 
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         with self._lock:
             self.transport.close()
+            if self.segment is not None:
+                self.segment.close()
 
     # -- internals -----------------------------------------------------------------------
     def _track(self, kind: str, peer: str, grant: Grant, hold: str | None = None) -> None:
@@ -293,10 +328,25 @@ class DistributedKVCache:
             del self._pending[tid]
 
 
-def start_pool(layout: KVLayout, backend: str = "nixl", num_cpus: float = 0, **kwargs) -> Any:
-    """Start the KV pool, a DistributedKVCache actor (methods may wait, so a few run
-    concurrently)."""
-    import ray
+def node_id() -> str:
+    """The Ray node this runs on ("local" outside Ray: tests in one process)."""
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return "local"
 
-    return ray.remote(DistributedKVCache).options(
-        num_cpus=num_cpus, max_concurrency=8).remote(layout, backend, **kwargs)
+
+def start_pool(layout: KVLayout, backend: str = "nixl", num_cpus: float = 0,
+               on_node: str | None = None, **kwargs) -> Any:
+    """Start the KV pool, a DistributedKVCache actor (methods may wait, so a few run
+    concurrently), on the Ray node `on_node` if given (one pool per node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = dict(num_cpus=num_cpus, max_concurrency=8)
+    if on_node is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(on_node, soft=False)
+    return ray.remote(DistributedKVCache).options(**options).remote(layout, backend, **kwargs)

@@ -95,6 +95,7 @@ class PooledKV:
 
     keys: list[Key]
     stored: bool = True   # False: the pool was lost (its actor died), D prefills it itself
+    pool: str = ""        # the Ray node of the pool holding them (one pool per node)
 
 
 @dataclass(frozen=True, slots=True)

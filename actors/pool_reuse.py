@@ -3,7 +3,7 @@ prompt's prefix blocks that the pool holds (and its own prefix cache lacks) into
 cache, instead of computing them.
 
     1. engine thread: hold the prompt's full blocks cached locally (a reference each)
-    2. pool: how many of the next keys it holds (`lookup`)
+    2. pools: how many of the next keys each holds (`lookup`); the longest run wins
     3. engine thread: that many fresh blocks (none if the cache has no room: no import)
     4. pool → engine: read them (`PoolClient.get`; the pool may have evicted some since 2)
     5. engine thread: index the blocks read under their prefix hashes; free the others
@@ -16,6 +16,7 @@ is computed in full.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -31,20 +32,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-async def reuse_prefix(end: KVEndpoint, client: PoolClient, prompt_ids: list[int],
+async def reuse_prefix(end: KVEndpoint, clients: Sequence[PoolClient], prompt_ids: list[int],
                        keys: Sequence[Key]) -> list[Block]:
-    """Make the pool's blocks of the prompt's prefix a prefix-cache hit of `end`'s engine (see
-    the module docstring); returns the blocks it holds a reference on, for the caller to
-    release (`KVCacheManager.release_blocks`, engine thread) once the prefill is done."""
+    """Make a pool's blocks of the prompt's prefix a prefix-cache hit of `end`'s engine (see
+    the module docstring): of `clients`' pools (one per node; the home pool first), the one
+    holding the longest run, the first on a tie. Returns the blocks it holds a reference on,
+    for the caller to release (`KVCacheManager.release_blocks`, engine thread) once the
+    prefill is done."""
     limit = (len(prompt_ids) - 1) // end.layout.block_size   # never the last token's block
     local = await end.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids))
     first = len(local)
-    if first >= limit or client.dead:
+    live = [c for c in clients if not c.dead]
+    if first >= limit or not live:
         return local
     fresh: list[Block] = []
     got = 0
     try:
-        wanted = await client.lookup(keys[first:limit])
+        found = await asyncio.gather(*[c.lookup(keys[first:limit]) for c in live],
+                                     return_exceptions=True)
+        counts = [n if isinstance(n, int) else 0 for n in found]
+        wanted = max(counts)
+        client = live[counts.index(wanted)]
         if wanted:
             fresh = await end.loop.call(lambda e: e.kv.blocks_for_import(wanted))
         if fresh:

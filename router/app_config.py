@@ -98,17 +98,6 @@ class KVPoolConfig(BaseModel):
             raise ValueError("capacity_bytes: set capacity_blocks or capacity_bytes, not both")
         return self
 
-    def num_blocks(self, block_bytes: int, default: int) -> int:
-        """Blocks of `block_bytes` (every layer's K and V) each pool holds."""
-        if self.capacity_blocks is not None:
-            return self.capacity_blocks
-        if self.capacity_bytes is None:
-            return default
-        if self.capacity_bytes < block_bytes:
-            raise ValueError(f"kv_pool.capacity_bytes: {self.capacity_bytes} is below one KV "
-                             f"block ({block_bytes} bytes)")
-        return self.capacity_bytes // block_bytes
-
 
 class Limits(BaseModel):
     """What the router refuses or cuts short, so that overload is answered instead of queued."""

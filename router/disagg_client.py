@@ -211,6 +211,7 @@ class DisaggregatedClient:
                         raise
                     log.warning("%s: the KV did not land on decode (%s); it prefills itself",
                                 attempt_id, _reason(e))
+                    await d.abort.remote(attempt_id)   # done with the id before its reuse
                     await d.generate.remote(attempt_id, prompt, params, self.streams.sub)
             except Exception as e:  # noqa: BLE001 - handed to the request's reader
                 self.streams.fail(attempt_id, e)

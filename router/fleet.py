@@ -116,7 +116,7 @@ class EngineFleet(PoolChanges):
         handoff = None
         if config.mode != "colocated":
             from actors.handoff import PushHandoff
-            from actors.pool_client import PoolHandoff
+            from actors.pool_handoff import PoolHandoff
             handoff = (PoolHandoff(timeout, config.kv_pool) if config.mode == "pooled"
                        else PushHandoff())
 

@@ -16,7 +16,7 @@ from waiting import wait_until
 ray = pytest.importorskip("ray")
 from actors.engine_actor import EngineActor  # noqa: E402
 from actors.kv_pool import start_pool  # noqa: E402
-from actors.pool_client import PoolHandoff  # noqa: E402
+from actors.pool_handoff import PoolHandoff  # noqa: E402
 from actors.pool_index import prompt_keys  # noqa: E402
 from router.disagg_client import DisaggregatedClient  # noqa: E402
 

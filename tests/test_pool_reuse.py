@@ -27,10 +27,12 @@ def tiny(tiny_model_root):
     return make_tiny_model("llama_gqa", tiny_model_root)
 
 
-@pytest.fixture(scope="module")
-def pooled(ray_cluster, tiny):
-    """Two prefill engines (one puts a prefix into the pool, the other reads it), one decoder."""
+@pytest.fixture(scope="module", params=[True, False], ids=["shared_memory", "transport"])
+def pooled(request, ray_cluster, tiny):
+    """Two prefill engines (one puts a prefix into the pool, the other reads it), one decoder;
+    blocks moved through the pool's shared memory (engines on its node), or the transport."""
     config = AppConfig.from_args({"mode": "pooled", "transport": "nixl", "num_prefill": 2,
+                                  "kv_pool": {"shared_memory": request.param},
                                   "engine": {"model": tiny, "max_model_len": 512,
                                              "max_num_seqs": 8},
                                   "limits": {"request_timeout_s": 30, "max_tokens": 400}})
@@ -65,3 +67,6 @@ def test_prefill_reads_the_pools_prefix_instead_of_computing_it(pooled, tiny):
     assert out.num_cached_tokens >= 6 * BS            # the API's cached_tokens
     stats = ray.get(pooled.handoff.pool.stats.remote())
     assert stats["hits"] - hits_before >= 6 and stats["bytes_out"] > 0
+    # Every engine is on the pool's node: with its shared memory, no block took the transport.
+    shared = pooled.handoff.settings.shared_memory
+    assert stats["bytes_copied"] == (stats["bytes_in"] + stats["bytes_out"] if shared else 0)
