@@ -95,7 +95,7 @@ class KVPoolConfig(BaseModel):
     @model_validator(mode="after")
     def _one_capacity(self) -> KVPoolConfig:
         if self.capacity_blocks is not None and self.capacity_bytes is not None:
-            raise ValueError("capacity_bytes: set capacity_blocks or capacity_bytes, not both")
+            raise ValueError("set capacity_blocks or capacity_bytes, not both")
         return self
 
 
