@@ -14,7 +14,11 @@ LLAMA_31_8B = {
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B}
+# A Llama small enough for CPU smoke runs of the benchmarks (dummy weights).
+LLAMA_TINY = {**LLAMA_31_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "rope_scaling": None, "max_position_embeddings": 4096}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-tiny": LLAMA_TINY}
 
 
 def dummy_model_dir(shape: str = "llama-3.1-8b", tokenizer_from: str | None = None) -> str:
