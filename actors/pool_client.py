@@ -31,6 +31,11 @@ from actors.transport_pump import TransportPump
 from transfer.base import KVTransport, TransferError
 
 
+class PoolLost(TransferError):
+    """The KV pool actor died: what it held is gone, whatever the request's failure policy
+    (the router has D prefill the prompt itself)."""
+
+
 class PoolClient:
     """`kv`: the engine's KV cache (its one shard), to copy through the pool's shared segment
     when the pool is on our node; None: always the transport."""
@@ -137,12 +142,12 @@ class PoolClient:
 
     async def _call(self, method: str, ref: Any) -> Any:
         if self.dead:   # found dead before: fail at once, without a round trip
-            raise TransferError(f"the KV pool actor is dead ({method} not tried)")
+            raise PoolLost(f"the KV pool actor is dead ({method} not tried)")
         try:
             return await asyncio.wait_for(ref, self.timeout_s)
         except RayActorError as e:
             self.dead = True
-            raise TransferError(f"the KV pool actor died during {method}: {e}") from e
+            raise PoolLost(f"the KV pool actor died during {method}: {e}") from e
         except RayTaskError as e:
             raise TransferError(f"the KV pool refused {method}: {e.cause!r}") from e
         except asyncio.TimeoutError as e:

@@ -32,7 +32,7 @@ from typing import Any
 from actors.handoff import Handover, KVEndpoint, KVHandoff, Prefill
 from actors.kv_pool import node_id, start_pool
 from actors.messages import KVDestination, PooledKV, PrefillResult
-from actors.pool_client import PoolClient
+from actors.pool_client import PoolClient, PoolLost
 from actors.pool_index import prompt_keys
 from actors.pool_reuse import reuse_prefix
 from pd_cluster.block_allocator import Block
@@ -183,6 +183,10 @@ class PoolHandoff(KVHandoff):
         try:
             got = await asyncio.wait_for(
                 client.get(keys[skip:], reservation.block_ids[skip:]), end.timeout_s)
+        except TransferError as e:
+            if isinstance(e, PoolLost) or await client.alive():
+                raise
+            raise PoolLost(f"{request_id}: the KV pool died during the read ({e})") from e
         finally:
             client.release(request_id)
         if got < len(keys) - skip:

@@ -35,6 +35,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.handoff import KVHandoff, PushHandoff
+from actors.pool_client import PoolLost
 from actors.messages import StreamAccumulator, StreamDelta
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
@@ -200,14 +201,15 @@ class DisaggregatedClient:
                 params: SamplingParams) -> None:
         """D.decode in the background; its error (KV not landed, D died) ends the stream,
         except that a live D whose KV did not land (a failed read from the KV pool)
-        prefills the prompt itself under the recompute policy: its stream starts over with
-        the first token, which `generate` drops as the early token's repeat."""
+        prefills the prompt itself under the recompute policy, or whatever the policy when
+        the KV pool died: its stream starts over with the first token, which `generate`
+        drops as the early token's repeat."""
         async def run() -> None:
             try:
                 try:
                     await d.decode.remote(attempt_id, result, self.streams.sub)
                 except RayTaskError as e:
-                    if not self.recompute:
+                    if not (self.recompute or isinstance(e.cause, PoolLost)):
                         raise
                     log.warning("%s: the KV did not land on decode (%s); it prefills itself",
                                 attempt_id, _reason(e))
