@@ -153,7 +153,14 @@ class PoolHandoff(KVHandoff):
                    prefill: Prefill) -> Handover:
         end = self.end
         keys = prompt_keys(request_id, prompt_ids, end.layout.block_size)
-        kept = await reuse_prefix(end, self._by_preference(), prompt_ids, keys)
+        reuse = asyncio.ensure_future(reuse_prefix(end, self._by_preference(), prompt_ids,
+                                                   keys))
+        try:
+            kept = await asyncio.shield(reuse)
+        except asyncio.CancelledError:   # the blocks it holds must still be let go of
+            reuse.add_done_callback(lambda t: t.cancelled() or t.exception() is not None
+                                    or _release_soon(end, t.result()))
+            raise
         try:
             last = await prefill()
         except BaseException:

@@ -2,10 +2,11 @@
 prompt's prefix blocks that the pool holds (and its own prefix cache lacks) into its own KV
 cache, instead of computing them.
 
-    1. engine thread: hold the prompt's full blocks cached locally (a reference each)
-    2. pools: how many of the next keys each holds (`lookup`); the longest run wins
-    3. engine thread: that many fresh blocks (none if the cache has no room: no import)
-    4. pool → engine: read them (`PoolClient.get`; the pool may have evicted some since 2)
+    1. at once: the engine thread holds the prompt's full blocks cached locally (a reference
+       each); each pool says how many of the prompt's keys it holds (`lookup`)
+    2. the pool with the longest run wins, if it goes past the local hit
+    3. engine thread: fresh blocks for the rest of its run (none if the cache has no room)
+    4. pool → engine: read them (`PoolClient.get`; the pool may have evicted some since 1)
     5. engine thread: index the blocks read under their prefix hashes; free the others
 The request is then added as usual: the scheduler finds the whole run as a prefix-cache hit,
 so chunked prefill starts after it and the hit counts in num_cached_tokens (the API's
@@ -40,21 +41,22 @@ async def reuse_prefix(end: KVEndpoint, clients: Sequence[PoolClient], prompt_id
     for the caller to release (`KVCacheManager.release_blocks`, engine thread) once the
     prefill is done."""
     limit = (len(prompt_ids) - 1) // end.layout.block_size   # never the last token's block
-    local = await end.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids))
-    first = len(local)
     live = [c for c in clients if not c.dead]
-    if first >= limit or not live:
+    # Our own hits and the pools' at once: one round trip on the way to the prefill.
+    local, *found = await asyncio.gather(
+        end.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids)),
+        *[c.lookup(keys[:limit]) for c in live], return_exceptions=True)
+    if isinstance(local, BaseException):
+        raise local
+    first = len(local)
+    counts = [n if isinstance(n, int) else 0 for n in found]
+    if not counts or max(counts) <= first:
         return local
+    client = live[counts.index(max(counts))]
     fresh: list[Block] = []
     got = 0
     try:
-        found = await asyncio.gather(*[c.lookup(keys[first:limit]) for c in live],
-                                     return_exceptions=True)
-        counts = [n if isinstance(n, int) else 0 for n in found]
-        wanted = max(counts)
-        client = live[counts.index(wanted)]
-        if wanted:
-            fresh = await end.loop.call(lambda e: e.kv.blocks_for_import(wanted))
+        fresh = await end.loop.call(lambda e: e.kv.blocks_for_import(max(counts) - first))
         if fresh:
             got = await client.get(keys[first:first + len(fresh)], [b.block_id for b in fresh])
     except TransferError as e:
