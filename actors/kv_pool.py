@@ -23,6 +23,7 @@ it themselves while they wait; every method holds the one lock.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -37,6 +38,8 @@ from actors.pool_shm import SegmentHandle, SharedSegment
 from pd_cluster.kv_layout import KVLayout
 from transfer.base import Transfer, TransferError, TransferState
 from transfer.registry import make_transport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,12 @@ class DistributedKVCache:
         self.node_id = node_id()
         self.segment: SharedSegment | None = None
         if shared_memory and device == "cpu":   # engines on this node map it (actors/pool_shm.py)
-            self.segment = SharedSegment.create(layout, self.node_id)
+            try:
+                self.segment = SharedSegment.create(layout, self.node_id)
+            except OSError as e:   # /dev/shm too small: every engine uses the transport
+                log.warning("KV pool: no shared-memory segment of %d bytes (%s); engines on "
+                            "this node go through the transport", layout.nbytes, e)
+        if self.segment is not None:
             self.kv = self.segment.kv
         else:
             pin = device == "cpu" and torch.cuda.is_available()  # pinned memory DMAs at full speed

@@ -62,8 +62,13 @@ class SharedSegment:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, path = tempfile.mkstemp(prefix="pd-kv-pool-", dir=shm)
         try:
-            os.ftruncate(fd, nbytes)
+            # Reserve the memory now: a segment larger than /dev/shm has room for fails here
+            # (OSError) instead of killing us with SIGBUS at the first write past the room.
+            os.posix_fallocate(fd, 0, nbytes)
             kv = _map(path, layout)
+        except BaseException:
+            os.close(fd)
+            raise
         finally:
             os.unlink(path)   # the open fd (and the mapping) keep it
         return cls(kv, SegmentHandle(node_id, f"/proc/{os.getpid()}/fd/{fd}", layout), fd)

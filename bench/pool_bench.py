@@ -133,7 +133,8 @@ def serving_ttft(mode: str, args: argparse.Namespace, model: str, device: str) -
     if device == "cuda":
         engine["gpu_memory_utilization"] = args.gpu_share * 0.9
     config = AppConfig.from_args({"mode": mode, "transport": args.transport, "engine": engine,
-                                  "limits": {"max_tokens": 16}})
+                                  "limits": {"max_tokens": 16},
+                                  "kv_pool": {"capacity_bytes": int(args.pool_gb * 2**30)}})
     gpus = args.gpu_share if device == "cuda" else 0
     opts = {role: {"num_gpus": gpus, "num_cpus": 0} for role in ("prefill", "decode")}
     client = start_client(config, config.engine, opts)
@@ -163,6 +164,7 @@ def main() -> None:
                     help="also time the pool through the transport (the slow path)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-share", type=float, default=0.5, help="GPU share of P and of D")
+    ap.add_argument("--pool-gb", type=float, default=8.0, help="KV pool size (pooled TTFT)")
     ap.add_argument("--skip-ttft", action="store_true")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"

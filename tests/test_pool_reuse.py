@@ -57,14 +57,16 @@ def test_prefill_reads_the_pools_prefix_instead_of_computing_it(pooled, tiny):
     out = asyncio.run(collect(pooled, "r0", first, GREEDY, Route(0, 0)))
     assert out.outputs[0].token_ids == cold[0]
     hits_before = ray.get(pooled.handoff.pool.stats.remote())["hits"]
-    p1_before = prefilled_tokens(load_of(pooled.prefill[1]))
+    p1_before = load_of(pooled.prefill[1])
 
     # Prefill engine 1 has none of it cached: 6 of the 8 full blocks (3/4) come from the pool.
     out = asyncio.run(collect(pooled, "r1", second, GREEDY, Route(0, 1)))
     assert out.outputs[0].token_ids == cold[1]
-    computed = prefilled_tokens(load_of(pooled.prefill[1])) - p1_before
+    p1_after = load_of(pooled.prefill[1])
+    computed = prefilled_tokens(p1_after) - prefilled_tokens(p1_before)
     assert computed == len(second) - 6 * BS == 37
     assert out.num_cached_tokens >= 6 * BS            # the API's cached_tokens
+    assert p1_after.prefix_hits - p1_before.prefix_hits == 6 * BS   # pd_prefix_cache_hits
     stats = ray.get(pooled.handoff.pool.stats.remote())
     assert stats["hits"] - hits_before >= 6 and stats["bytes_out"] > 0
     # Every engine is on the pool's node: with its shared memory, no block took the transport.
