@@ -142,6 +142,12 @@ class KVHandoff(ABC):
         return []
 
     # -- the decode engine's side -----------------------------------------------------------
+    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
+        """D is about to prefill a prompt itself: first make what it can of the prompt's KV a
+        prefix-cache hit there (pool: the blocks a KV pool holds). Returns what lets those
+        blocks go, to call once the request is queued in the engine."""
+        return lambda: None
+
     @abstractmethod
     async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
         """Ready D's side; `peers`: the prefill engines' KV descriptors (push only)."""

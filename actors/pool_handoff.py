@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from actors.handoff import Handover, KVEndpoint, KVHandoff, Prefill
@@ -180,6 +180,12 @@ class PoolHandoff(KVHandoff):
             return Handover(last, PooledKV(keys, stored=False), 0, started, started)
         return Handover(last, PooledKV(keys, pool=self.home), end.bytes_of(added), started,
                         started)
+
+    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
+        end = self.end
+        keys = prompt_keys("", prompt_ids, end.layout.block_size)   # full blocks are read
+        kept = await reuse_prefix(end, self._by_preference(), prompt_ids, keys)
+        return lambda: _release_soon(end, kept)
 
     async def receive(self, request_id: str, reservation: KVDestination,
                       result: PrefillResult) -> None:

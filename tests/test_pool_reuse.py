@@ -29,9 +29,10 @@ def tiny(tiny_model_root):
 
 @pytest.fixture(scope="module", params=[True, False], ids=["shared_memory", "transport"])
 def pooled(request, ray_cluster, tiny):
-    """Two prefill engines (one puts a prefix into the pool, the other reads it), one decoder;
+    """Two prefill engines (one puts a prefix into the pool, the other reads it), two decoders;
     blocks moved through the pool's shared memory (engines on its node), or the transport."""
     config = AppConfig.from_args({"mode": "pooled", "transport": "nixl", "num_prefill": 2,
+                                  "num_decode": 2,
                                   "kv_pool": {"shared_memory": request.param},
                                   "engine": {"model": tiny, "max_model_len": 512,
                                              "max_num_seqs": 8},
@@ -72,3 +73,18 @@ def test_prefill_reads_the_pools_prefix_instead_of_computing_it(pooled, tiny):
     # Every engine is on the pool's node: with its shared memory, no block took the transport.
     shared = pooled.handoff.settings.shared_memory
     assert stats["bytes_copied"] == (stats["bytes_in"] + stats["bytes_out"] if shared else 0)
+
+
+def test_a_decoder_prefilling_itself_reads_the_pools_prefix(pooled, tiny):
+    rng = random.Random(28)
+    prompt = rng.sample(range(3, 500), 5 * BS + 3)
+    cold = LLM(tiny).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert asyncio.run(collect(pooled, "d0", prompt, GREEDY, Route(0, 0))).outputs[0].token_ids \
+        == cold
+    # Decoder 1 has none of it and prefills it itself (no prefill engine on the route): the
+    # 5 full blocks come from the pool.
+    before = prefilled_tokens(load_of(pooled.decode[1]))
+    out = asyncio.run(collect(pooled, "d1", prompt, GREEDY, Route(1, None)))
+    assert out.outputs[0].token_ids == cold
+    assert prefilled_tokens(load_of(pooled.decode[1])) - before == 3
+    assert out.num_cached_tokens == 5 * BS
