@@ -120,7 +120,8 @@ class PoolHandoff(KVHandoff):
         """Each live pool's stats (DistributedKVCache.stats), by node id."""
         async def one(pool: Any) -> dict | None:
             try:
-                return await asyncio.wait_for(pool.stats.remote(), 5.0)
+                # Briefly: the router's load poll waits on this.
+                return await asyncio.wait_for(pool.stats.remote(), 1.0)
             except Exception:  # noqa: BLE001 - a dead or busy pool is left out
                 return None
         stats = await asyncio.gather(*[one(p) for p in self.pools.values()])

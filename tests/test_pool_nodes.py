@@ -54,8 +54,8 @@ def test_blocks_put_on_one_nodes_pool_are_read_on_the_other(two_nodes, tiny_mode
     cold = [o.outputs[0].token_ids for o in LLM(tiny).generate([first, second], GREEDY)]
     handoff = PoolHandoff(30.0, PoolSettings(placement="per_node"))
     # P0 on node a, P1 and the decoder on node b.
-    client = DisaggregatedClient.over([engine(cfg, "prefill", 0, "a"), engine(cfg, "prefill", 1, "b")],
-                                      [engine(cfg, "decode", 0, "b")], True, handoff,
+    prefill = [engine(cfg, "prefill", 0, "a"), engine(cfg, "prefill", 1, "b")]
+    client = DisaggregatedClient.over(prefill, [engine(cfg, "decode", 0, "b")], True, handoff,
                                       timeout_s=60.0, mode="pooled")
     try:
         asyncio.run(client.wait_ready(180))
