@@ -95,3 +95,26 @@ def test_pool_stats_are_exported_per_node(pool):
     for name in ("bytes_out_total", "hits_total", "evictions_total", "holds", "pinned",
                  "capacity_bytes"):
         assert f"pd_kv_pool_{name}{{" in text
+
+
+def test_blocks_imported_into_an_engine_become_its_prefix_hit():
+    """The engine's side of prefix reuse (KVCacheManager): blocks read from the pool, indexed
+    under the prompt's hashes, are what the scheduler then finds cached."""
+    from pd_cluster.kv_cache_manager import KVCacheManager
+    from pd_cluster.request import Request
+    from pd_cluster.sampling_params import SamplingParams
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(14))                          # 3 full blocks and 2 tokens
+    assert kv.hold_cached_prefix(tokens) == []
+    assert kv.blocks_for_import(9) == []              # no room: no import, nothing taken
+    blocks = kv.blocks_for_import(3)
+    kv.cache_imported(tokens, 0, blocks)
+    hits, num_cached = kv.find_cached_prefix(Request("r", tokens, SamplingParams()))
+    assert hits == blocks and num_cached == 12
+    held = kv.hold_cached_prefix(tokens + [99])       # another prompt with that prefix
+    assert held == blocks and all(b.ref_count == 2 for b in blocks)
+    kv.release_blocks(blocks)
+    kv.release_blocks(held)
+    assert kv.num_free_blocks == 8                    # free, and still cached
+    assert kv.find_cached_prefix(Request("s", tokens, SamplingParams()))[1] == 12
