@@ -82,7 +82,7 @@ class DistributedKVCache:
         if shared_memory and device == "cpu":   # engines on this node map it (actors/pool_shm.py)
             try:
                 self.segment = SharedSegment.create(layout, self.node_id)
-            except OSError as e:   # /dev/shm too small: every engine uses the transport
+            except (OSError, RuntimeError) as e:   # /dev/shm too small: the transport, then
                 log.warning("KV pool: no shared-memory segment of %d bytes (%s); engines on "
                             "this node go through the transport", layout.nbytes, e)
         if self.segment is not None:

@@ -44,9 +44,13 @@ def _pin(t: torch.Tensor) -> bool:
 
 
 def _map(path: str, layout: KVLayout) -> torch.Tensor:
-    numel = math.prod(layout.shape)
-    flat = torch.from_file(path, shared=True, size=numel, dtype=layout.torch_dtype)
-    return flat.view(layout.shape)
+    # As bytes, then viewed as the KV dtype: from_file need not know every dtype (FP8).
+    flat = torch.from_file(path, shared=True, size=_nbytes(layout), dtype=torch.uint8)
+    return flat.view(layout.torch_dtype).view(layout.shape)
+
+
+def _nbytes(layout: KVLayout) -> int:
+    return math.prod(layout.shape) * torch.empty((), dtype=layout.torch_dtype).element_size()
 
 
 class SharedSegment:
@@ -58,7 +62,7 @@ class SharedSegment:
 
     @classmethod
     def create(cls, layout: KVLayout, node_id: str) -> SharedSegment:
-        nbytes = math.prod(layout.shape) * torch.empty((), dtype=layout.torch_dtype).element_size()
+        nbytes = _nbytes(layout)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, path = tempfile.mkstemp(prefix="pd-kv-pool-", dir=shm)
         try:
