@@ -2,7 +2,7 @@
 prompt's blocks, and pooled-mode TTFT against push-mode (disaggregated) TTFT in the same run,
 with P and D sharing the GPU and the pool on the same node. Prints one JSON object.
 
-    python3 bench/pool_bench.py                    # GPU: 2048-token prompt, 8B shape
+    python3 bench/pool_bench.py --out bench/results/pool_bench_h200.json   # GPU: 2048 tokens, 8B
     python3 bench/pool_bench.py --cpu --tokens 256 --reps 2   # a CPU smoke run, tiny model
 
 Bandwidth: the pool is a DistributedKVCache actor (another process) with its shared segment;
@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--pool-gb", type=float, default=None,
                     help="KV pool size for the pooled TTFT (default: 8 on a GPU, 0.25 on a CPU)")
     ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the JSON to this file")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     args.pool_gb = args.pool_gb or (0.25 if args.cpu else 8.0)
@@ -182,7 +183,10 @@ def main() -> None:
         pooled = serving_ttft("pooled", args, model, device)
         res["ttft"] = {"push": push, "pooled": pooled,
                        "pooled_over_push": pooled["ttft_median_ms"] / push["ttft_median_ms"]}
-    print(json.dumps(res, indent=1))
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:   # NIXL logs to stdout too: the file holds the JSON alone
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
