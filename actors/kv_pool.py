@@ -1,6 +1,9 @@
 """DistributedKVCache, the KV pool: a cluster-wide store of KV blocks in pinned host memory,
 keyed by prefix block hash (Mooncake's idea): prefill engines put blocks in, decode engines
-get them out (pooled mode, actors/pool_client.py).
+get them out, and prefill engines read the prefixes they can reuse (pooled mode,
+actors/pool_handoff.py; an engine's side: actors/pool_client.py). One per cluster or one per
+node; LRU eviction, never of a pinned block (held, or being read). `lookup(keys)` says how
+many of a prompt's keys it holds, without pinning anything.
 
 Lifecycle of a put (engine → pool):
     begin_put(peer, keys)  → Grant: pool blocks for the keys not cached yet, reserved under a lease
@@ -16,6 +19,10 @@ A hold keeps a put's blocks for one reader (pooled mode: the decode engine of th
     release(id)            → unpins them, aborts the hold's put if still in flight, and drops
                              its RequestKeys (a prompt's partial last block, which no other
                              request can use); a hold not released within hold_s expires alike
+With `shared_memory`, the blocks live in a shared-memory segment (actors/pool_shm.py) that
+engines on the pool's node map: they copy to or from the granted blocks themselves and
+confirm with end_local(id, ok) instead of the transport's DONE notice (the lease still
+bounds a copier that died).
 Abort, lease expiry, a deadline or a dead peer end a put by freeing its reserved blocks (and
 its hold) and a get by unpinning, so nothing leaks. A progress thread polls the transport
 every millisecond or so (notices, renewals, deadlines, hold expiry), and end_put/end_get poll
