@@ -46,7 +46,6 @@ class PoolClient:
         self.agent = self.pool_agent = ""  # our transport's name; the pool's
         self.dead = False   # the pool actor died: every call fails at once from then on
         self.segment: SharedSegment | None = None   # the pool's memory, mapped here
-        self.node = ""      # the pool's Ray node
 
     async def connect(self) -> None:
         """Open channels both ways (two-sided transports acknowledge through them), and map
@@ -56,14 +55,8 @@ class PoolClient:
         self.agent, mine = await self._on_pump(lambda tr: (tr.name, tr.descriptor().encode()))
         await self._call("connect", self.pool.connect.remote(mine))
         handle = await self._call("shared", self.pool.shared.remote())
-        self.node = await self._call("node", self.pool.node.remote())
         if handle is not None and self.kv is not None:
             self.segment = SharedSegment.attach(handle, node_id())
-
-    @property
-    def local(self) -> bool:
-        """Whether blocks move by a copy in our process (the pool's segment is mapped)."""
-        return self.segment is not None
 
     async def put(self, keys: Sequence[Key], block_ids: Sequence[int],
                   hold: str | None = None) -> int:
