@@ -153,7 +153,7 @@ def serving_ttft(mode: str, args: argparse.Namespace, model: str, device: str) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="CPU smoke run with a tiny model")
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length")
     ap.add_argument("--block-size", type=int, default=16)
