@@ -103,7 +103,10 @@ class DecodeSide:
                                actor.outbox.queue(sub, request_id))
 
     async def abort(self, request_id: str) -> None:
+        """Drop the request; returns once the engine has, so that the caller may reuse its
+        id at once (D prefilling it itself): an abort still queued would end that one."""
         self._drop_reservation(request_id)
+        await self.actor.loop.call(lambda engine: None)   # the engine's commands run in order
 
     def subscriber_gone(self, sub: str, request_ids: list[str]) -> None:
         """A router's lease expired: drop its reservations, end its streams."""

@@ -151,9 +151,14 @@ class EngineActor(StreamingEngine):
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        sub: str) -> None:
         """D prefills a prompt itself (conditional disaggregation, recompute after a failed
-        prefill): StreamingEngine.generate."""
+        prefill): StreamingEngine.generate, after the handoff's prefetch (pool: the prompt's
+        prefix blocks a KV pool holds)."""
         self._as(DECODE)
-        await super().generate(request_id, prompt_ids, params, sub)
+        release = await self.handoff.prefetch(prompt_ids) if self.handoff else (lambda: None)
+        try:
+            await super().generate(request_id, prompt_ids, params, sub)
+        finally:
+            release()   # queued after the request: it is admitted with them cached
 
     # -- changing roles ---------------------------------------------------------------------
     async def set_role(self, role: str, replica_id: int) -> ReplicaLoad:

@@ -5,7 +5,7 @@ and shared by it and both engine actors:
 
     PushHandoff (mode `disaggregated`): after each layer P writes that layer's blocks into
         blocks D reserved, so the transfer overlaps the next layer; D waits for the writes.
-    PoolHandoff (mode `pooled`, actors/pool_client.py): after the prefill P puts the prompt's
+    PoolHandoff (mode `pooled`, actors/pool_handoff.py): after the prefill P puts the prompt's
         blocks into the KV pool, held there for D under the attempt id; D reads the blocks
         it lacks and ends the hold. P and D never address each other.
 
@@ -142,6 +142,12 @@ class KVHandoff(ABC):
         return []
 
     # -- the decode engine's side -----------------------------------------------------------
+    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
+        """D is about to prefill a prompt itself: first make what it can of the prompt's KV a
+        prefix-cache hit there (pool: the blocks a KV pool holds). Returns what lets those
+        blocks go, to call once the request is queued in the engine."""
+        return lambda: None
+
     @abstractmethod
     async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
         """Ready D's side; `peers`: the prefill engines' KV descriptors (push only)."""

@@ -1,6 +1,9 @@
 """DistributedKVCache, the KV pool: a cluster-wide store of KV blocks in pinned host memory,
 keyed by prefix block hash (Mooncake's idea): prefill engines put blocks in, decode engines
-get them out (pooled mode, actors/pool_client.py).
+get them out, and prefill engines read the prefixes they can reuse (pooled mode,
+actors/pool_handoff.py; an engine's side: actors/pool_client.py). One per cluster or one per
+node; LRU eviction, never of a pinned block (held, or being read). `lookup(keys)` says how
+many of a prompt's keys it holds, without pinning anything.
 
 Lifecycle of a put (engine → pool):
     begin_put(peer, keys)  → Grant: pool blocks for the keys not cached yet, reserved under a lease
@@ -16,6 +19,10 @@ A hold keeps a put's blocks for one reader (pooled mode: the decode engine of th
     release(id)            → unpins them, aborts the hold's put if still in flight, and drops
                              its RequestKeys (a prompt's partial last block, which no other
                              request can use); a hold not released within hold_s expires alike
+With `shared_memory`, the blocks live in a shared-memory segment (actors/pool_shm.py) that
+engines on the pool's node map: they copy to or from the granted blocks themselves and
+confirm with end_local(id, ok) instead of the transport's DONE notice (the lease still
+bounds a copier that died).
 Abort, lease expiry, a deadline or a dead peer end a put by freeing its reserved blocks (and
 its hold) and a get by unpinning, so nothing leaks. A progress thread polls the transport
 every millisecond or so (notices, renewals, deadlines, hold expiry), and end_put/end_get poll
@@ -23,6 +30,7 @@ it themselves while they wait; every method holds the one lock.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -33,9 +41,12 @@ from typing import Any
 import torch
 
 from actors.pool_index import BlockIndex, Key, RequestKey
+from actors.pool_shm import SegmentHandle, SharedSegment
 from pd_cluster.kv_layout import KVLayout
 from transfer.base import Transfer, TransferError, TransferState
 from transfer.registry import make_transport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +82,22 @@ class DistributedKVCache:
 
     def __init__(self, layout: KVLayout, backend: str = "nixl", name: str | None = None,
                  timeout_s: float = 30.0, lease_s: float = 10.0, device: str = "cpu",
-                 hold_s: float = 60.0, transport_options: dict | None = None):
-        pin = device == "cpu" and torch.cuda.is_available()  # pinned host memory DMAs at full speed
-        self.kv = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device,
-                              pin_memory=pin)
+                 hold_s: float = 60.0, transport_options: dict | None = None,
+                 shared_memory: bool = False):
+        self.node_id = node_id()
+        self.segment: SharedSegment | None = None
+        if shared_memory and device == "cpu":   # engines on this node map it (actors/pool_shm.py)
+            try:
+                self.segment = SharedSegment.create(layout, self.node_id)
+            except (OSError, RuntimeError) as e:   # /dev/shm too small: the transport, then
+                log.warning("KV pool: no shared-memory segment of %d bytes (%s); engines on "
+                            "this node go through the transport", layout.nbytes, e)
+        if self.segment is not None:
+            self.kv = self.segment.kv
+        else:
+            pin = device == "cpu" and torch.cuda.is_available()  # pinned memory DMAs at full speed
+            self.kv = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device,
+                                  pin_memory=pin)
         self.transport = make_transport(backend, name, timeout_s=timeout_s, lease_s=lease_s,
                                         **(transport_options or {}))
         self.transport.register(self.kv, layout)
@@ -85,6 +108,8 @@ class DistributedKVCache:
         # that overtook it) is refused instead of holding blocks nobody will read.
         self._released: dict[str, float] = {}
         self.hold_s = hold_s
+        self.moved = {"put": 0, "get": 0}   # blocks written into the pool, read out of it
+        self.copied = 0   # of those, blocks an engine on this node copied itself (end_local)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, daemon=True)
@@ -92,6 +117,29 @@ class DistributedKVCache:
 
     def descriptor(self) -> bytes:
         return self.transport.descriptor().encode()
+
+    def node(self) -> str:
+        """The Ray node this pool runs on."""
+        return self.node_id
+
+    def shared(self) -> SegmentHandle | None:
+        """Where engines on this pool's node map its block memory (None: no segment)."""
+        return None if self.segment is None else self.segment.handle
+
+    def end_local(self, transfer_id: str, ok: bool) -> int:
+        """Confirm a put or get whose blocks the engine copied itself, through the shared
+        segment (`ok`: the copy worked); the same result as end_put / end_get. Nobody renews
+        its lease meanwhile: a copier that died (or took longer than lease_s) expires it."""
+        with self._lock:
+            p = self._pending.get(transfer_id)
+            if p is not None and not p.settled:
+                self.copied += len(p.grant.block_ids) if ok else 0
+                if ok:
+                    p.transfer.state = TransferState.DONE
+                else:
+                    self.transport.abort(p.transfer, "the engine's copy failed")
+                self._settle(p)
+        return len(self._settle_wait(transfer_id).block_ids)
 
     def connect(self, peer_descriptor: bytes) -> str:
         with self._lock:
@@ -129,6 +177,14 @@ class DistributedKVCache:
             self._track("get", peer, grant)
             return grant
 
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """How many keys, from the first, the pool holds now (no pin: a get may find fewer)."""
+        with self._lock:
+            cached, n = self.index.cached, 0
+            while n < len(keys) and keys[n] in cached:
+                n += 1
+            return n
+
     def end_put(self, transfer_id: str) -> int:
         """Wait for the put to settle; the number of blocks it added, or a TransferError."""
         return len(self._settle_wait(transfer_id).block_ids)
@@ -162,20 +218,25 @@ class DistributedKVCache:
             ix = self.index
             reserved = sum(len(p.grant.block_ids) for p in self._pending.values()
                            if p.kind == "put" and not p.settled)
+            block_bytes = self.transport.layout.block_bytes * 2 * self.transport.layout.num_layers
             return dict(capacity=ix.num_blocks, free=len(ix.free_ids), cached=len(ix.cached),
                         reserved=reserved, pinned=len(ix.pins), holds=len(self._holds),
                         request_blocks=len(ix.orphans) + sum(
                             isinstance(k, RequestKey) for k in ix.cached),
                         hits=ix.hits, misses=ix.misses, evictions=ix.evictions,
-                        in_flight=self.transport.in_flight(),
-                        block_bytes=self.transport.layout.block_bytes * 2
-                        * self.transport.layout.num_layers)
+                        in_flight=self.transport.in_flight(), block_bytes=block_bytes,
+                        capacity_bytes=ix.num_blocks * block_bytes,
+                        bytes_in=self.moved["put"] * block_bytes,
+                        bytes_out=self.moved["get"] * block_bytes,
+                        bytes_copied=self.copied * block_bytes)
 
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         with self._lock:
             self.transport.close()
+            if self.segment is not None:
+                self.segment.close()
 
     # -- internals -----------------------------------------------------------------------
     def _track(self, kind: str, peer: str, grant: Grant, hold: str | None = None) -> None:
@@ -192,6 +253,8 @@ class DistributedKVCache:
             return
         p.settled = True
         ok = p.transfer.state is TransferState.DONE
+        if ok:   # blocks moved in (put) or out (get), for the bytes in/out metrics
+            self.moved[p.kind] += len(p.grant.block_ids)
         if p.kind == "put":
             if ok:
                 kept = self.index.insert(p.grant.keys, p.grant.block_ids)
@@ -280,10 +343,25 @@ class DistributedKVCache:
             del self._pending[tid]
 
 
-def start_pool(layout: KVLayout, backend: str = "nixl", num_cpus: float = 0, **kwargs) -> Any:
-    """Start the KV pool, a DistributedKVCache actor (methods may wait, so a few run
-    concurrently)."""
-    import ray
+def node_id() -> str:
+    """The Ray node this runs on ("local" outside Ray: tests in one process)."""
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return "local"
 
-    return ray.remote(DistributedKVCache).options(
-        num_cpus=num_cpus, max_concurrency=8).remote(layout, backend, **kwargs)
+
+def start_pool(layout: KVLayout, backend: str = "nixl", num_cpus: float = 0,
+               on_node: str | None = None, **kwargs) -> Any:
+    """Start the KV pool, a DistributedKVCache actor (methods may wait, so a few run
+    concurrently), on the Ray node `on_node` if given (one pool per node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = dict(num_cpus=num_cpus, max_concurrency=8)
+    if on_node is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(on_node, soft=False)
+    return ray.remote(DistributedKVCache).options(**options).remote(layout, backend, **kwargs)

@@ -97,6 +97,8 @@ class PooledKV:
     the decode engine under the request id (it reads the blocks it lacks, then ends the hold)."""
 
     keys: list[Key]
+    stored: bool = True   # False: the pool was lost (its actor died), D prefills it itself
+    pool: str = ""        # the Ray node of the pool holding them (one pool per node)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +180,16 @@ class StreamAccumulator:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[dict[int, float]] | None = None
+        # The most any engine of the request found cached: P's hits (its prefix cache and,
+        # pooled, the KV pool's blocks it read) come in its early token, D's in its deltas.
+        self.num_cached_tokens = 0
         # Speculation counts: those of earlier replicas (a re-run starts over at 0), and the
         # current replica's latest.
         self._spec_before = (0, 0)
         self._spec_now = (0, 0)
 
     def add(self, d: StreamDelta) -> RequestOutput:
+        self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
         self.token_ids += d.token_ids
         self.text += d.text
         if d.logprobs is not None:
@@ -196,5 +202,5 @@ class StreamAccumulator:
         self._spec_now = spec
         proposed, accepted = (a + b for a, b in zip(self._spec_before, spec))
         return RequestOutput(self.request_id, self.prompt_token_ids, [choice], d.finished,
-                             d.num_cached_tokens, d.text, list(d.token_ids), d.error,
+                             self.num_cached_tokens, d.text, list(d.token_ids), d.error,
                              d.engine_ttft, proposed, accepted)

@@ -1,17 +1,5 @@
-"""The pool handoff (mode `pooled`): prompt KV goes P → KV pool (a DistributedKVCache) → D.
-
-PoolHandoff is the KVHandoff (actors/handoff.py) of pooled mode:
-    controller  on the first engine's join, one KV pool (sized like an engine's KV cache,
-            on the same transport) to which every engine actor connects as it joins
-    router  `release(attempt)` ends the attempt's hold there (abort, a dead D, or D without
-            room: D prefills it itself)
-    P       after the prefill, puts the prompt's blocks into the pool in one write, keyed by
-            `prompt_keys` (full blocks by prefix hash, a partial last block by request) and
-            held there for D under the request id; blocks the pool has already are not sent.
-            A failed or refused put frees the pool's side and raises.
-    D       reads the prompt blocks it lacks (past its own prefix hit) into its reserved
-            blocks, then ends the hold, whether or not the read worked; a block missing from
-            the pool fails the request like a failed transfer.
+"""An engine's side of the KV pool (a DistributedKVCache, actors/kv_pool.py); the pool handoff
+(actors/pool_handoff.py) uses one per pool.
 
 PoolClient is an engine actor's side of the pool, async and touching the transport only on
 the actor's pump thread (BlockingPoolClient is the same for a caller that may block):
@@ -20,38 +8,55 @@ the actor's pump thread (BlockingPoolClient is the same for a caller that may bl
 The pool's confirmation (end_*) is asked for as soon as the grant is known, so its round trip
 overlaps the transfer. A failed transfer, or a pool that died or did not answer within
 timeout_s, raises TransferError, and the pool's side of the transfer is aborted.
+
+On the pool's node (its shared segment mapped, actors/pool_shm.py) the engine copies the
+blocks itself instead of moving them with the transport, and confirms with end_local:
+    put → begin_put → copy our blocks into the granted ones → end_local
+    get → begin_get → copy the granted blocks into ours     → end_local
 """
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from actors.handoff import Handover, KVEndpoint, KVHandoff, Prefill
-from actors.kv_pool import Grant, start_pool
-from actors.messages import KVDestination, PooledKV, PrefillResult
-from actors.pool_index import Key, prompt_keys
+from actors.kv_pool import Grant, node_id
+from actors.pool_index import Key
+from actors.pool_shm import SharedSegment, copy_blocks
 from actors.transport_pump import TransportPump
-from pd_cluster.engine import LLMEngine
 from transfer.base import KVTransport, TransferError
-from transfer.messages import KVDescriptor
+
+
+class PoolLost(TransferError):
+    """The KV pool actor died: what it held is gone, whatever the request's failure policy
+    (the router has D prefill the prompt itself)."""
 
 
 class PoolClient:
-    def __init__(self, pool: Any, pump: TransportPump, timeout_s: float):
-        self.pool, self.pump, self.timeout_s = pool, pump, timeout_s
+    """`kv`: the engine's KV cache (its one shard), to copy through the pool's shared segment
+    when the pool is on our node; None: always the transport."""
+
+    def __init__(self, pool: Any, pump: TransportPump, timeout_s: float,
+                 kv: torch.Tensor | None = None):
+        self.pool, self.pump, self.timeout_s, self.kv = pool, pump, timeout_s, kv
         self.agent = self.pool_agent = ""  # our transport's name; the pool's
+        self.dead = False   # the pool actor died: every call fails at once from then on
+        self.segment: SharedSegment | None = None   # the pool's memory, mapped here
 
     async def connect(self) -> None:
-        """Open channels both ways (two-sided transports acknowledge through them)."""
+        """Open channels both ways (two-sided transports acknowledge through them), and map
+        the pool's shared segment if it is on our node."""
         desc = await self._call("descriptor", self.pool.descriptor.remote())
         self.pool_agent = await self._on_pump(lambda tr: tr.connect(desc))
         self.agent, mine = await self._on_pump(lambda tr: (tr.name, tr.descriptor().encode()))
         await self._call("connect", self.pool.connect.remote(mine))
+        handle = await self._call("shared", self.pool.shared.remote())
+        if handle is not None and self.kv is not None:
+            self.segment = SharedSegment.attach(handle, node_id())
 
     async def put(self, keys: Sequence[Key], block_ids: Sequence[int],
                   hold: str | None = None) -> int:
@@ -59,16 +64,49 @@ class PoolClient:
         `hold` if given; returns how many blocks were new to the pool."""
         grant = await self._call("begin_put", self.pool.begin_put.remote(self.agent, list(keys),
                                                                           hold))
+        if self.segment is not None:
+            return await self._copy(True, grant, block_ids)
         confirm = self.pool.end_put.remote(grant.transfer_id)
         await self._move(True, grant, block_ids)
         return await self._call("end_put", confirm)
 
+    async def _copy(self, write: bool, grant: Grant, block_ids: Sequence[int]) -> int:
+        """Move the granted blocks by a copy through the shared segment (off the event loop),
+        then confirm; a failed copy fails the pool's side too."""
+        ok = False
+        try:
+            if grant.block_ids:
+                local = [block_ids[i] for i in grant.positions]
+                pool_kv = self.segment.kv
+                src, dst = (self.kv, pool_kv) if write else (pool_kv, self.kv)
+                src_ids, dst_ids = (local, grant.block_ids) if write else (grant.block_ids, local)
+                await asyncio.to_thread(copy_blocks, src, dst, src_ids, dst_ids)
+            ok = True
+        finally:
+            confirmed = await self._call("end_local",
+                                         self.pool.end_local.remote(grant.transfer_id, ok))
+        return confirmed
+
+    async def lookup(self, keys: Sequence[Key]) -> int:
+        """How many of `keys`, from the first, the pool holds now."""
+        return await self._call("lookup", self.pool.lookup.remote(list(keys)))
+
     async def get(self, keys: Sequence[Key], block_ids: Sequence[int]) -> int:
         """Fill our `block_ids` with the longest cached prefix of `keys`; returns its length."""
         grant = await self._call("begin_get", self.pool.begin_get.remote(self.agent, list(keys)))
+        if self.segment is not None:
+            return await self._copy(False, grant, block_ids)
         confirm = self.pool.end_get.remote(grant.transfer_id)
         await self._move(False, grant, block_ids)
         return await self._call("end_get", confirm)
+
+    async def alive(self) -> bool:
+        """Whether the pool actor answers (a failed transfer may have been its death)."""
+        try:
+            await self._call("lookup", self.pool.lookup.remote([]))
+            return True
+        except TransferError:
+            return False
 
     def release(self, hold: str) -> Any:
         """End a hold in the pool (fire and forget; await the result to wait for it)."""
@@ -96,10 +134,13 @@ class PoolClient:
         return await asyncio.wrap_future(self.pump.call(fn))
 
     async def _call(self, method: str, ref: Any) -> Any:
+        if self.dead:   # found dead before: fail at once, without a round trip
+            raise PoolLost(f"the KV pool actor is dead ({method} not tried)")
         try:
             return await asyncio.wait_for(ref, self.timeout_s)
         except RayActorError as e:
-            raise TransferError(f"the KV pool actor died during {method}: {e}") from e
+            self.dead = True
+            raise PoolLost(f"the KV pool actor died during {method}: {e}") from e
         except RayTaskError as e:
             raise TransferError(f"the KV pool refused {method}: {e.cause!r}") from e
         except asyncio.TimeoutError as e:
@@ -158,76 +199,3 @@ class BlockingPoolClient:
             raise TransferError(f"the KV pool actor died during {method}: {e}") from e
         except ray.exceptions.GetTimeoutError as e:
             raise TransferError(f"the KV pool actor did not answer {method} in time") from e
-
-
-class PoolHandoff(KVHandoff):
-    """See the module docstring."""
-
-    def __init__(self, timeout_s: float = 120.0) -> None:
-        self.timeout_s = timeout_s
-        self.pool: Any = None       # the DistributedKVCache actor, once connected
-
-    async def join(self, actor: Any, descriptor: bytes, peers: Sequence[tuple[Any, bytes]]
-                   ) -> None:
-        if self.pool is None:
-            # As many blocks as the first engine's KV cache (P and D run one engine config),
-            # on its transport: room for what a prefill engine holds at once, plus a prefix
-            # cache the size of one. Made by the controller, so it lives as long as it does.
-            kv = KVDescriptor.decode(descriptor)
-            self.pool = start_pool(kv.layout, kv.backend, timeout_s=self.timeout_s)
-        await actor.open_handoff.remote(self, [])
-
-    def destination(self, reservation: Any) -> None:
-        return None
-
-    async def accept(self, attempt_id: str, result: PrefillResult,
-                     reservation: Any) -> PrefillResult | None:
-        if await reservation is None:   # D had no room: it prefills the prompt itself
-            self.release(attempt_id)
-            return None
-        return result
-
-    def release(self, attempt_id: str) -> None:
-        self.pool.release.remote(attempt_id)   # a no-op once D has read it
-
-    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> None:
-        await self._open(end)
-
-    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
-        await self._open(end)
-
-    async def _open(self, end: KVEndpoint) -> None:
-        self.end, self.client = end, PoolClient(self.pool, end.pump, end.timeout_s)
-        await self.client.connect()
-
-    async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
-                   prefill: Prefill) -> Handover:
-        end = self.end
-        keys = prompt_keys(request_id, prompt_ids, end.layout.block_size)
-        last = await prefill()
-        started = time.monotonic()
-        blocks = await end.loop.call(lambda e: _held_blocks(e, request_id))
-        added = await self.client.put(keys, blocks, hold=request_id)
-        return Handover(last, PooledKV(keys), end.bytes_of(added), started, started)
-
-    async def receive(self, request_id: str, reservation: KVDestination,
-                      result: PrefillResult) -> None:
-        end, keys = self.end, result.kv.keys
-        skip = reservation.num_cached_tokens // end.layout.block_size
-        start = time.monotonic()
-        try:
-            got = await asyncio.wait_for(
-                self.client.get(keys[skip:], reservation.block_ids[skip:]), end.timeout_s)
-        finally:
-            self.client.release(request_id)
-        if got < len(keys) - skip:
-            raise TransferError(f"{request_id}: the KV pool holds {got} of the "
-                                f"{len(keys) - skip} prompt blocks to read")
-        end.count(end.bytes_of(got), time.monotonic() - start)
-
-
-def _held_blocks(engine: LLMEngine, request_id: str) -> list[int]:
-    req = engine.scheduler.holding.get(request_id)
-    if req is None:
-        raise RuntimeError(f"prefill of {request_id} was aborted")
-    return list(req.block_ids)

@@ -41,7 +41,7 @@ class BlockIndex:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.free_ids = list(range(num_blocks))
+        self.free_ids = list(range(num_blocks - 1, -1, -1))   # taken from the end
         self.cached: OrderedDict[Key, int] = OrderedDict()  # oldest first
         self.pins: dict[int, int] = {}
         self.orphans: set[int] = set()  # dropped while pinned: freed at their last unpin
@@ -51,8 +51,12 @@ class BlockIndex:
         """Up to n blocks, evicting unpinned cached blocks (oldest first) when none are free."""
         while len(self.free_ids) < n and self._evict_one():
             pass
-        # Ascending, so neighbours merge into one transfer descriptor (see BlockAllocator.allocate).
-        taken, self.free_ids = sorted(self.free_ids[:n]), self.free_ids[n:]
+        # From the end of the list: O(n), where a pool of millions of small blocks would copy
+        # the whole list each time. Ascending, so neighbours merge into one transfer
+        # descriptor or copy (see BlockAllocator.allocate).
+        cut = max(len(self.free_ids) - n, 0)
+        taken = sorted(self.free_ids[cut:])
+        del self.free_ids[cut:]
         return taken
 
     def _evict_one(self) -> bool:

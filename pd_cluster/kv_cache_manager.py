@@ -6,7 +6,7 @@ written blocks of a request that ends before its KV landed (pd_cluster/kv_cache_
 """
 from __future__ import annotations
 
-from pd_cluster.block_allocator import Block, BlockAllocator, hash_block
+from pd_cluster.block_allocator import Block, BlockAllocator, hash_block, prefix_block_hashes
 from pd_cluster.kv_cache_quarantine import KVQuarantine
 from pd_cluster.request import Request
 
@@ -59,7 +59,11 @@ class KVCacheManager:
 
         The hit never covers the last token: that token must be computed to get logits.
         """
-        tokens, bs = request.all_token_ids, self.block_size
+        hits = self._cached_prefix(request.all_token_ids)
+        return hits, len(hits) * self.block_size
+
+    def _cached_prefix(self, tokens) -> list[Block]:
+        bs = self.block_size
         hits: list[Block] = []
         parent = None
         for start in range(0, (len(tokens) - 1) // bs * bs, bs):
@@ -69,7 +73,40 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        return hits
+
+    # -- importing a prompt's prefix blocks from elsewhere (the KV pool) ---------------------
+    # Engine thread. The prefill side reads the blocks of a prompt's prefix that the KV pool
+    # holds into blocks of its own, indexes them as cached, and keeps a reference on them
+    # until the prompt is prefilled: the scheduler then finds them as a prefix-cache hit, so
+    # chunked prefill starts after them and they count in num_cached_tokens.
+    def hold_cached_prefix(self, token_ids) -> list[Block]:
+        """Take a reference on the full blocks of `token_ids` cached here (never the last
+        token's), so no eviction takes them before the prompt is scheduled."""
+        hits = self._cached_prefix(token_ids)
+        self.allocator.touch(hits)
+        return hits
+
+    def blocks_for_import(self, count: int) -> list[Block]:
+        """`count` fresh blocks (one reference each) to read prefix blocks into; [] when
+        fewer than that are free (an import never preempts)."""
+        if count <= 0 or count > self.allocator.num_free:
+            return []
+        return self.allocator.allocate(count)
+
+    def cache_imported(self, token_ids, first: int, blocks: list[Block]) -> None:
+        """`blocks` now hold the full blocks first, first + 1, ... of `token_ids`: index them
+        under their chained hashes (the caller still holds them: release_blocks)."""
+        if not blocks:
+            return
+        bs = self.block_size
+        hashes = prefix_block_hashes(token_ids[:(first + len(blocks)) * bs], bs)
+        for i, block in enumerate(blocks, start=first):
+            self.allocator.cache(block, hashes[i], token_ids[i * bs:(i + 1) * bs])
+
+    def release_blocks(self, blocks: list[Block]) -> None:
+        """Drop the references hold_cached_prefix / blocks_for_import took (tail first)."""
+        self.allocator.release(list(reversed(blocks)))
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      cached: list[Block] | None = None) -> bool:

@@ -72,6 +72,33 @@ Resources = Annotated[
                                        "resources")]
 
 
+class KVPoolConfig(BaseModel):
+    """The KV pool of pooled mode (actors/kv_pool.py): its size, where it runs, how long it
+    keeps a prompt's blocks for its decoder."""
+
+    model_config = STRICT_MODEL_CONFIG
+
+    capacity_blocks: int | None = Field(None, ge=1, description=(
+        "KV blocks each pool holds; null: capacity_bytes, or as many as an engine's KV cache"))
+    capacity_bytes: int | None = Field(None, ge=1, description=(
+        "host memory of each pool in bytes (whole blocks of the engines' layout); null: "
+        "capacity_blocks"))
+    placement: Literal["single", "per_node"] = Field("single", description=(
+        "single: one pool for the cluster | per_node: one on every node, engines put into "
+        "their node's and read from any"))
+    shared_memory: bool = Field(True, description=(
+        "engines on a pool's node copy KV to and from its memory directly (a shared-memory "
+        "segment: host-memory speed); false: always through the transport"))
+    hold_s: float = Field(60.0, gt=0, description=(
+        "how long the pool keeps a prompt's blocks for its decoder if nobody releases them"))
+
+    @model_validator(mode="after")
+    def _one_capacity(self) -> KVPoolConfig:
+        if self.capacity_blocks is not None and self.capacity_bytes is not None:
+            raise ValueError("set capacity_blocks or capacity_bytes, not both")
+        return self
+
+
 class Limits(BaseModel):
     """What the router refuses or cuts short, so that overload is answered instead of queued."""
 
@@ -220,6 +247,8 @@ class AppConfig(BaseModel):
     router_autoscaling: RouterAutoscaling | None = Field(None, description=(
         "Serve autoscaling of the router deployment instead of router_replicas; null: a fixed "
         "count"))
+    kv_pool: KVPoolConfig = Field(default_factory=KVPoolConfig, description=(
+        "the KV pool of pooled mode: capacity, placement, the same-node fast path"))
     planner: PlannerConfig = Field(default_factory=PlannerConfig, description=(
         "the elastic P:D planner, which resizes and flips the pools to meet TTFT / TPOT SLOs "
         "within a GPU budget (off by default)"))

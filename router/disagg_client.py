@@ -35,6 +35,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.handoff import KVHandoff, PushHandoff
+from actors.pool_client import PoolLost
 from actors.messages import StreamAccumulator, StreamDelta
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
@@ -183,23 +184,39 @@ class DisaggregatedClient:
                                          route.prefill_id, d)
             self._where[request_id] = (attempt_id, None, d)
             if result is not None:   # None from accept: D had no room, it prefills below
-                result = await self.handoff.accept(attempt_id, result, reservation)
+                accepted = await self.handoff.accept(attempt_id, result, reservation)
+                if accepted is None:   # (pool: or the KV pool lost the prompt's blocks)
+                    await d.abort.remote(attempt_id)   # its reservation, if it made one
+                result = accepted
             if result is not None:
                 # With stop strings, D must judge the first token's text with the next.
                 early = None if params.stop else StreamDelta.of(_unfinished(result.first_output))
                 # Not awaited here: the early token goes out while D waits for the KV; a
                 # failure to take it over surfaces through the request's stream.
-                self._resume(attempt_id, d, result)
+                self._resume(attempt_id, d, result, prompt, params)
                 return early
         # D prefills it itself: by the route, for lack of room, or as the fallback.
         await d.generate.remote(attempt_id, prompt, params, self.streams.sub)
         return None
 
-    def _resume(self, attempt_id: str, d: Any, result: Any) -> None:
-        """D.decode in the background; its error (KV not landed, D died) ends the stream."""
+    def _resume(self, attempt_id: str, d: Any, result: Any, prompt: list[int],
+                params: SamplingParams) -> None:
+        """D.decode in the background; its error (KV not landed, D died) ends the stream,
+        except that a live D whose KV did not land (a failed read from the KV pool)
+        prefills the prompt itself under the recompute policy, or whatever the policy when
+        the KV pool died: its stream starts over with the first token, which `generate`
+        drops as the early token's repeat."""
         async def run() -> None:
             try:
-                await d.decode.remote(attempt_id, result, self.streams.sub)
+                try:
+                    await d.decode.remote(attempt_id, result, self.streams.sub)
+                except RayTaskError as e:
+                    if not (self.recompute or isinstance(e.cause, PoolLost)):
+                        raise
+                    log.warning("%s: the KV did not land on decode (%s); it prefills itself",
+                                attempt_id, _reason(e))
+                    await d.abort.remote(attempt_id)   # done with the id before its reuse
+                    await d.generate.remote(attempt_id, prompt, params, self.streams.sub)
             except Exception as e:  # noqa: BLE001 - handed to the request's reader
                 self.streams.fail(attempt_id, e)
         task = asyncio.get_running_loop().create_task(run())

@@ -116,8 +116,9 @@ class EngineFleet(PoolChanges):
         handoff = None
         if config.mode != "colocated":
             from actors.handoff import PushHandoff
-            from actors.pool_client import PoolHandoff
-            handoff = PoolHandoff(timeout) if config.mode == "pooled" else PushHandoff()
+            from actors.pool_handoff import PoolHandoff
+            handoff = (PoolHandoff(timeout, config.kv_pool) if config.mode == "pooled"
+                       else PushHandoff())
 
         def spawn(role: str, replica_id: int) -> Any:
             options = {**actor_options[role], "max_restarts": 0}

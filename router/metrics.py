@@ -104,6 +104,38 @@ class _ReplicaCollector(Collector):
                     steps, step_s, work, *spec.values(), spec_rate)
 
 
+class _KVPoolCollector(Collector):
+    """Exports the KV pools' stats (pooled mode; set by RouterMetrics.set_kv_pools), one
+    series per pool, labelled by its Ray node."""
+
+    COUNTERS = {"bytes_in": "KV bytes written into the pool.",
+                "bytes_out": "KV bytes read out of the pool.",
+                "bytes_copied": "Of those, bytes engines on the pool's node copied through "
+                                "its shared memory (no transport).",
+                "hits": "Blocks found in the pool by lookups of a prompt's prefix.",
+                "misses": "Blocks looked up and not found.",
+                "evictions": "Blocks evicted (least recently used, never a held one)."}
+    GAUGES = {"capacity_bytes": "The pool's block memory.",
+              "cached": "Blocks cached by key.", "free": "Blocks free.",
+              "pinned": "Blocks pinned by holds and reads (not evictable).",
+              "holds": "Prompts whose blocks are kept for their decoder."}
+
+    def __init__(self) -> None:
+        self.pools: dict[str, dict] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        for key, doc in self.COUNTERS.items():
+            family = CounterMetricFamily(f"pd_kv_pool_{key}", doc, labels=("node",))
+            for node, stats in self.pools.items():
+                family.add_metric([node], stats[key])
+            yield family
+        for key, doc in self.GAUGES.items():
+            family = GaugeMetricFamily(f"pd_kv_pool_{key}", doc, labels=("node",))
+            for node, stats in self.pools.items():
+                family.add_metric([node], stats[key])
+            yield family
+
+
 class _MembershipCollector(Collector):
     """Exports the engine controller's latest membership (set by RouterMetrics.set_membership):
     its version, each pool's replicas by state and target, each replica's restarts."""
@@ -191,6 +223,8 @@ class RouterMetrics:
         r.register(self._membership)
         self._planner = _PlannerCollector()
         r.register(self._planner)
+        self._kv_pools = _KVPoolCollector()
+        r.register(self._kv_pools)
         # Finished requests for the engine controller's planner (router/planner_loop.py),
         # when it is on; sent and emptied every REPORT_EVERY_S.
         self.collect_samples = False
@@ -198,6 +232,10 @@ class RouterMetrics:
 
     def set_loads(self, loads: Sequence[ReplicaLoad]) -> None:
         self._replicas.loads = list(loads)
+
+    def set_kv_pools(self, stats: dict[str, dict]) -> None:
+        """The KV pools' stats by node (PoolHandoff.pool_stats); empty outside pooled mode."""
+        self._kv_pools.pools = dict(stats)
 
     def set_membership(self, membership: Membership) -> None:
         self._membership.membership = membership

@@ -137,6 +137,9 @@ class LoadMonitor:
         self.policy.set_available(self.client.available())   # it may have found one dead
         self.policy.observe(loads)
         self.metrics.set_loads(loads)
+        pool_stats = getattr(getattr(self.client, "handoff", None), "pool_stats", None)
+        if pool_stats is not None:   # pooled mode: the KV pools' own counters
+            self.metrics.set_kv_pools(await pool_stats())
         return loads
 
     async def _poll(self) -> None:

@@ -67,8 +67,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- range $key := list "mode" "transport" "conditionalDisaggThreshold" "prefillFailurePolicy" -}}
 {{- if hasKey $v $key }}{{ $_ := set $args (snakecase $key) (index $v $key) }}{{ end -}}
 {{- end -}}
-{{- range $key := list "engine" "limits" "routing" "planner" -}}
-{{- $_ := set $args $key (include "pd-cluster.snakeKeys" (index $v $key) | fromYaml) -}}
+{{- range $key := list "engine" "limits" "routing" "planner" "kvPool" -}}
+{{- $_ := set $args (snakecase $key) (include "pd-cluster.snakeKeys" (index $v $key) | fromYaml) -}}
 {{- end -}}
 {{- if $v.engine.speculative -}}
 {{- $_ := set $args.engine "speculative" (include "pd-cluster.snakeKeys" $v.engine.speculative | fromYaml) -}}
