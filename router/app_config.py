@@ -11,26 +11,25 @@ gives each engine replica its Ray actor options, and `config.router_deployment_o
 router deployment's replica count or Serve autoscaling. `planner:` configures the elastic P:D
 planner: `config.planner_settings()` is its policy's PlannerSettings, and `most_replicas(role)`
 / `most_engine_replicas()` how many engine replicas may exist at once, planner or not. This
-module imports neither Ray nor torch, so it is cheap to test.
+module imports neither Ray nor torch, so it is cheap to test. The sections with no say in
+the others (kv_pool, limits, routing, router autoscaling, planner) are declared in
+router/app_sections.py.
 """
 from __future__ import annotations
 
 import math
 import re
-import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from pd_cluster.config import STRICT_MODEL_CONFIG, EngineConfig
 from pd_cluster.config_errors import validate_config
 from pd_cluster.planner import PlannerSettings
+from router.app_sections import (ROUTING_POLICIES, KVPoolConfig, Limits,  # noqa: F401
+                                 PlannerConfig, RouterAutoscaling, Routing)
 
-RoutingPolicy = Literal["kv_aware", "round_robin"]
-# The router's policy registry must know every name listed here.
-ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RoutingPolicy)
 # Engine roles; each is also the name of the custom Ray resource its node group advertises.
 ROLES = ("prefill", "decode")
 AUTO = "auto"
@@ -70,140 +69,6 @@ Resources = Annotated[
     Discriminator(_resources_kind, custom_error_type="resources",
                   custom_error_message='expected "auto" or a mapping of num_gpus, num_cpus, '
                                        "resources")]
-
-
-class KVPoolConfig(BaseModel):
-    """The KV pool of pooled mode (actors/kv_pool.py): its size, where it runs, how long it
-    keeps a prompt's blocks for its decoder."""
-
-    model_config = STRICT_MODEL_CONFIG
-
-    capacity_blocks: int | None = Field(None, ge=1, description=(
-        "KV blocks each pool holds; null: capacity_bytes, or as many as an engine's KV cache"))
-    capacity_bytes: int | None = Field(None, ge=1, description=(
-        "host memory of each pool in bytes (whole blocks of the engines' layout); null: "
-        "capacity_blocks"))
-    placement: Literal["single", "per_node"] = Field("single", description=(
-        "single: one pool for the cluster | per_node: one on every node, engines put into "
-        "their node's and read from any"))
-    shared_memory: bool = Field(True, description=(
-        "engines on a pool's node copy KV to and from its memory directly (a shared-memory "
-        "segment: host-memory speed); false: always through the transport"))
-    hold_s: float = Field(60.0, gt=0, description=(
-        "how long the pool keeps a prompt's blocks for its decoder if nobody releases them"))
-
-    @model_validator(mode="after")
-    def _one_capacity(self) -> KVPoolConfig:
-        if self.capacity_blocks is not None and self.capacity_bytes is not None:
-            raise ValueError("set capacity_blocks or capacity_bytes, not both")
-        return self
-
-
-class Limits(BaseModel):
-    """What the router refuses or cuts short, so that overload is answered instead of queued."""
-
-    model_config = STRICT_MODEL_CONFIG
-
-    max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
-    max_prompt_tokens: int | None = Field(None, ge=1, description=(
-        "longest prompt in tokens; null: max_model_len - 1"))
-    max_queue: int = Field(256, ge=0, description=(
-        "waiting requests before the router answers 429"))
-    request_timeout_s: float = Field(600.0, gt=0, description=(
-        "a request running longer is aborted (504)"))
-
-
-class Routing(BaseModel):
-    """How the router scores candidates: Dynamo's `w × blocks to prefill + active decode blocks`."""
-
-    model_config = STRICT_MODEL_CONFIG
-
-    policy: RoutingPolicy = Field("kv_aware", description="kv_aware | round_robin")
-    prefill_weight: float = Field(1.0, ge=0, description=(
-        "Dynamo's overlap weight w: weight of the prompt blocks a P still has to compute"))
-
-
-class RouterAutoscaling(BaseModel):
-    """Ray Serve's `autoscaling_config` of the router deployment, the keys that matter for it.
-
-    Serve keeps between min_replicas and max_replicas router replicas, each at about
-    target_ongoing_requests requests in flight. Serve's other keys keep their defaults.
-    """
-
-    model_config = STRICT_MODEL_CONFIG
-
-    # Serve allows 0 (scale to zero); the router is the only ingress, so the first request
-    # after a quiet spell would wait for a replica to start: at least one stays up.
-    min_replicas: int = Field(1, ge=1, description="fewest router replicas")
-    # No default: Serve's is 1, which would not scale at all.
-    max_replicas: int = Field(ge=1, description="most router replicas")
-    initial_replicas: int | None = Field(None, ge=1, description=(
-        "router replicas when the application is deployed; null: min_replicas"))
-    # A router replica streams many requests at once (its Serve max_ongoing_requests is in
-    # the hundreds), so Serve's default of 2 would scale to max_replicas under any load. 64 is
-    # not a measured saturation point: lower it when the router's CPU saturates (TTFT and
-    # inter-token latency rise while the engines have room).
-    target_ongoing_requests: float = Field(64.0, gt=0, description=(
-        "requests in flight (streams included) per router replica that Serve scales toward"))
-    upscale_delay_s: float = Field(30.0, ge=0, description=(
-        "seconds the load must stay above target before a replica is added (Serve's default)"))
-    downscale_delay_s: float = Field(600.0, ge=0, description=(
-        "seconds the load must stay below target before a replica is removed (Serve's default)"))
-
-    @field_validator("max_replicas")
-    @classmethod
-    def _max_not_below_min(cls, value: int, info: ValidationInfo) -> int:
-        least = info.data.get("min_replicas")
-        if least is not None and value < least:
-            raise ValueError(f"must be at least min_replicas ({least})")
-        return value
-
-    @field_validator("initial_replicas")
-    @classmethod
-    def _initial_within_bounds(cls, value: int | None, info: ValidationInfo) -> int | None:
-        least, most = info.data.get("min_replicas"), info.data.get("max_replicas")
-        if value is not None and least is not None and most is not None \
-                and not least <= value <= most:
-            raise ValueError(f"must be within min_replicas..max_replicas ({least}..{most})")
-        return value
-
-
-class PlannerConfig(BaseModel):
-    """The elastic P:D planner (pd_cluster/planner.py): every `interval_s` the engine controller
-    measures TTFT and TPOT at `percentile` and adds, removes or flips one engine replica so
-    that both meet their SLOs within `gpu_budget`. GPUs count replicas x tensor-parallel size.
-    """
-
-    model_config = STRICT_MODEL_CONFIG
-
-    enabled: bool = Field(False, description=(
-        "let the planner resize the prefill and decode pools; false: num_prefill and "
-        "num_decode stay as written"))
-    ttft_ms: float = Field(1000.0, gt=0, description="TTFT SLO (ms) at the percentile")
-    tpot_ms: float = Field(50.0, gt=0, description=(
-        "TPOT SLO (ms) at the percentile: mean time per output token after the first"))
-    percentile: float = Field(90.0, gt=0, le=100, description=(
-        "percentile of the interval's requests the SLOs hold for"))
-    gpu_budget: int | None = Field(None, ge=1, description=(
-        "GPUs the two pools may use together (replicas x tensor_parallel_size); null: what "
-        "num_prefill and num_decode start with"))
-    min_prefill: int = Field(1, ge=1, description="fewest prefill replicas")
-    max_prefill: int = Field(8, ge=1, description="most prefill replicas")
-    min_decode: int = Field(1, ge=1, description="fewest decode replicas")
-    max_decode: int = Field(8, ge=1, description="most decode replicas")
-    interval_s: float = Field(30.0, gt=0, description=(
-        "seconds between two decisions (the interval measured)"))
-    cooldown_s: float = Field(120.0, ge=0, description=(
-        "seconds after a change before the next one (a new engine loads, its effect shows)"))
-    calm_intervals: int = Field(3, ge=1, description=(
-        "intervals in a row well within both SLOs before a replica is removed"))
-    headroom: float = Field(0.5, gt=0, lt=1, description=(
-        "a pool under headroom x its SLO has room to give (a removal, a flip)"))
-    drain_timeout_s: float = Field(600.0, gt=0, description=(
-        "longest wait for a removed or flipped replica to finish its requests"))
-    profile: str | None = Field(None, min_length=1, description=(
-        "a `pd-cluster profile` JSON file (path on the controller's node): removals are "
-        "vetted by predicting the smaller pools on the interval's load; null: not vetted"))
 
 
 class AppConfig(BaseModel):
