@@ -11,9 +11,9 @@ streamed once from memory, as kernels/linear.py streams a 16-bit one.
 The math of per-token quant + `torch._scaled_mm` with row-wise scales. A decode step's GEMMs
 are bound by the weight's bytes, and at small M cuBLAS's FP8 kernels stream them slowly on
 an H100 (1.1-2.3 TB/s against a 3 TB/s copy; bench/fp8_gemm_bench.py), mostly because their
-tiles leave SMs idle on the narrow shapes. Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)), row
-tiles fastest: the programs sharing a weight tile run together and only the first reads it
-from memory. `takes` says where this kernel is used instead of cuBLAS.
+tiles leave SMs idle on the narrow shapes. The kernel is kernels/linear.py's, with the scales
+applied to its float32 accumulator (SCALED); this module picks its tiles for FP8 and says
+(`takes`) where it is used instead of cuBLAS.
 
 Also measured and dropped: widening w8 to fp16 in registers for a 16-bit dot with x
 unquantized (W8A16) was 1.3-2.1x slower than this at M = 64; quantizing x inside the GEMM
@@ -23,35 +23,13 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
+
+from kernels.linear import _linear_kernel
 
 FP8 = torch.float8_e4m3fn
 # The largest batch this kernel takes (`takes` says which shapes); above it the GEMMs turn
 # compute-bound, and cuBLAS's tensor-core pipelines win.
 MAX_ROWS = 256
-
-
-@triton.jit
-def _fp8_linear_kernel(X, XS, W, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = (k0 + offs_k) < K
-        x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    x_scale = tl.load(XS + offs_m, mask=mask_m, other=0.0)
-    w_scale = tl.load(WS + offs_n, mask=mask_n, other=0.0)
-    acc = acc * x_scale[:, None] * w_scale[None, :]
-    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def takes(m: int, n: int) -> bool:
@@ -94,10 +72,10 @@ def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _fp8_linear_kernel[grid](xq, x_scale, w8, w_scale, y, m, n, k, xq.stride(0),
-                             w8.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                             BLOCK_K=block_k, num_warps=num_warps,
-                             num_stages=num_stages or default_stages)
+    _linear_kernel[grid](xq, w8, y, m, n, k, xq.stride(0), w8.stride(0), y.stride(0), x_scale,
+                         w_scale, SCALED=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k, num_warps=num_warps,
+                         num_stages=num_stages or default_stages)
     return y
 
 
