@@ -24,6 +24,7 @@ import torch
 from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
 from pd_cluster.attention.torch_backend import TorchAttentionBackend
 from pd_cluster import distributed as dist
+from pd_cluster import kv_sizing
 from pd_cluster.config import EngineConfig, ModelConfig
 from pd_cluster.cuda_graphs import DecodeGraphs
 from pd_cluster.forward_context import ForwardContext
@@ -106,11 +107,6 @@ def select_backend(config: EngineConfig, device: torch.device) -> AttentionBacke
     return TritonAttentionBackend()
 
 
-# GPU memory an engine holds outside torch's allocator (CUDA context, kernel images, library
-# handles): counted against its gpu_memory_utilization share.
-NON_TORCH_BYTES = 1 << 30
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str | None, model_cfg: ModelConfig,
                  max_model_len: int, model_name: str, rank: int = 0):
@@ -142,8 +138,9 @@ class ModelRunner:
             self.kv_dtype = FP8_DTYPE
             self.kv_scales = kv_scales_for(self.model, lambda: self._calibrate(max_model_len),
                                            model_cfg.num_layers)
-        self.kv_layout = self._rank_layout(rank, model_name,
-                                           self._agreed(self._num_blocks(max_model_len)))
+        blocks = kv_sizing.num_blocks(config, model_cfg, self.num_kv_heads, self.kv_dtype,
+                                      self.device, self._torch_base, max_model_len)
+        self.kv_layout = self._rank_layout(rank, model_name, kv_sizing.agreed(blocks, self.tp_size))
         self.kv_cache = self.kv_layout.allocate(self.device)
         if self.tp_size > 1 and self.device.type == "cpu":
             self.kv_cache.share_memory_()       # rank 0's transport maps every rank's KV
@@ -226,40 +223,6 @@ class ModelRunner:
             pass
         workers.close()
         dist.destroy_tp()
-
-    def _agreed(self, num_blocks: int) -> int:
-        """The KV blocks every rank can hold (they size theirs apart): the least of them."""
-        if self.tp_size == 1:
-            return num_blocks
-        import torch.distributed as tdist
-        least = torch.tensor([num_blocks], dtype=torch.int64)
-        tdist.all_reduce(least, op=tdist.ReduceOp.MIN, group=dist.get_tp().cpu_group)
-        return int(least.item())
-
-    def _num_blocks(self, max_model_len: int) -> int:
-        c, m = self.config, self.model_cfg
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        bytes_per_block = (2 * m.num_layers * self.block_size * self.num_kv_heads * m.head_dim
-                           * self.kv_dtype.itemsize)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of a full token budget (logits dominate at large vocab).
-            reserve = c.max_num_batched_tokens * (8 * m.hidden_size + 2 * m.intermediate_size) * 4
-            # Our share of the GPU less what we hold (vLLM's meaning): what our allocator took
-            # since we started, plus the CUDA context and libraries' own memory. Not the
-            # device's used memory: an engine starting beside us on the GPU would count as
-            # ours, and whichever sized its KV second got next to nothing. Never more than free.
-            mine = torch.cuda.memory_reserved(self.device) - self._torch_base + NON_TORCH_BYTES
-            budget = min(total * c.gpu_memory_utilization - mine, free) - reserve
-        else:
-            budget = c.kv_cache_memory_gb * 2**30
-        # No point in more blocks than max_num_seqs full-length sequences can use.
-        cap = c.max_num_seqs * -(-max_model_len // self.block_size) + 1
-        n = min(int(budget // bytes_per_block), cap)
-        if n < 2:
-            raise ValueError(f"not enough memory for the KV cache ({budget / 2**30:.2f} GiB left)")
-        return n
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, listener: StepListener | None = None,
