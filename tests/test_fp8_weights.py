@@ -1,8 +1,8 @@
-"""FP8 weights (`quantization: fp8`): the per-token quantization kernel, the FP8 GEMM, weights
-quantized at load, FP8 checkpoints as published, refusals, and tensor parallelism.
+"""FP8 weights (`quantization: fp8`): weights quantized at load, FP8 checkpoints as published,
+and refusals (the kernels and the GEMM: tests/test_fp8_kernels.py; tensor parallelism:
+tests/test_fp8_tensor_parallel.py).
 
 Measured on this repo's tiny random models (tests/tiny_models.py; CPU, float32 activations):
-  - one FP8 GEMM (e4m3: 3 mantissa bits) is 2.5-3 % off the float product (relative norm);
   - over a whole tiny model the logits are ~15 % off and greedy decoding from the same
     prefix picks the 16-bit model's token at 66-76 % of 64 steps (5 families, 8 prompts),
     the log-prob of the 16-bit model's token moving by 0.20-0.26 on average, 1.8 at most.
@@ -10,13 +10,6 @@ Measured on this repo's tiny random models (tests/tiny_models.py; CPU, float32 a
     random models' top two tokens are only ~0.35 nats apart (median), less than FP8 moves
     them. (SmolLM2-135M-Instruct, real weights, 8 text prompts: 89.6 % same-prefix
     agreement; free-running streams part after 0-19 tokens, still fluent.)
-  - tensor parallelism: each rank's FP8 weights and scales are exactly its slice of the tp = 1
-    model's; the row-parallel layers quantize each rank's half of their input with its own
-    per-token scales, so tp = 2's logits are 2.5-10 % off tp = 1's, and as far as tp = 1's
-    from the 16-bit model's.
-
-Without a GPU the Triton kernel runs under TRITON_INTERPRET=1 (its e4m3 casts made right by
-kernels/testing.py); on an H100 (torch 2.11) it matched its reference bit for bit too.
 """
 from kernels.testing import use_interpreter_without_gpu
 
@@ -26,143 +19,26 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
-import traceback  # noqa: E402
-from unittest import mock  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from kernels.fp8_quant import (ONE_PASS_MAX, per_token_quant,  # noqa: E402
-                               per_token_quant_ref)
-from pd_cluster import distributed  # noqa: E402
 from pd_cluster.attention.base import AttentionMetadata  # noqa: E402
 from pd_cluster.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pd_cluster.config import EngineConfig, ModelConfig  # noqa: E402
-from pd_cluster.distributed import get_tp  # noqa: E402
 from pd_cluster.forward_context import ForwardContext  # noqa: E402
 from pd_cluster.kv_layout import KVLayout  # noqa: E402
 from pd_cluster.models import fp8  # noqa: E402
-from pd_cluster.models.fp8 import FP8, MIN_SCALE  # noqa: E402
+from pd_cluster.models.fp8 import FP8  # noqa: E402
 from pd_cluster.models.loader import load_model  # noqa: E402
-from test_tensor_parallel_model import run_ranks  # noqa: E402
 from tiny_models import make_tiny_model, mixed_prompts  # noqa: E402
 
-DEVICE = "cpu" if INTERPRETED else "cuda"
 CPU = torch.device("cpu")
-MIN_SCALE_F32 = float(np.float32(MIN_SCALE))     # as a float32 tensor holds it
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-# -- the per-token quantization kernel ------------------------------------------------------
-
-# Rows loaded whole (K <= ONE_PASS_MAX) and rows read in BLOCK chunks with a ragged tail;
-# every input dtype; rows of zeros (scale MIN_SCALE) and outliers.
-@pytest.mark.parametrize("tokens,k,dtype", [(5, 70, torch.float32), (3, 2500, torch.bfloat16),
-                                            (4, 64, torch.float16), (1, 1, torch.float32),
-                                            (2, ONE_PASS_MAX + 1500, torch.bfloat16)])
-def test_quant_kernel_matches_reference_bit_for_bit(tokens, k, dtype):
-    x = torch.randn(tokens, k, dtype=dtype, device=DEVICE) * 3
-    if tokens > 1:
-        x[1] = 0
-        x[0, k // 2] = 6e4 if dtype == torch.float16 else 1e5
-    xq, scale = per_token_quant(x)
-    xq_ref, scale_ref = per_token_quant_ref(x)
-    assert xq.dtype == FP8 and xq.shape == x.shape and scale.shape == (tokens, 1)
-    assert torch.equal(scale, scale_ref)
-    assert torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8))
-    if tokens > 1:
-        assert scale[1].item() == MIN_SCALE_F32 and not xq[1].float().any()
-    # Each row's largest magnitude maps to e4m3's largest value, 448 (the zero row aside).
-    amax = xq.float().abs().amax(1)
-    assert torch.equal(amax[amax > 0], torch.full_like(amax, 448.0)[amax > 0])
-    assert (amax > 0).sum() == tokens - (tokens > 1)
-    # The model's torch path (CPU) is the same computation.
-    xq_torch, scale_torch = fp8.quantize_per_token(x.cpu())
-    assert torch.equal(scale_torch, scale_ref.cpu())
-    assert torch.equal(xq_torch.view(torch.uint8), xq_ref.view(torch.uint8).cpu())
-
-
-def test_quant_kernel_takes_strided_rows():
-    x = torch.randn(6, 200, device=DEVICE)[:, 10:150]      # row stride 200, unit stride on K
-    xq, scale = per_token_quant(x)
-    xq_ref, scale_ref = per_token_quant_ref(x)
-    assert torch.equal(scale, scale_ref) and torch.equal(xq.view(torch.uint8),
-                                                         xq_ref.view(torch.uint8))
-
-
-# -- the FP8 GEMM -----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("t,k,n,bias", [(7, 64, 48, False), (5, 70, 33, True), (1, 256, 96, True)])
-def test_fp8_linear_matches_the_float_references(t, k, n, bias):
-    torch.manual_seed(0)
-    x, w = torch.randn(t, k), torch.randn(n, k) * k ** -0.5
-    b = torch.randn(n) if bias else None
-    w8, w_scale = fp8.quantize_weight(w)
-    y = fp8.fp8_linear(x, w8, w_scale, b)
-    assert y.shape == (t, n) and y.dtype == x.dtype
-    # The exact math: the quantized operands dequantized with their scales, in float64.
-    xq, x_scale = fp8.quantize_per_token(x)
-    exact = (xq.double() * x_scale.double()) @ (w8.double() * w_scale.double()[:, None]).t()
-    exact = exact + (b.double() if bias else 0)
-    assert rel(y, exact) < 1e-6
-    # torch's own CPU _scaled_mm (an emulation of the same math): float32 rounding apart.
-    scaled = torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w_scale.view(1, n),
-                              bias=b, out_dtype=torch.float32)
-    assert rel(y, scaled) < 1e-6
-    # Against the unquantized product: e4m3's rounding of both operands, measured 2.5-3 %.
-    assert rel(y, x @ w.t() + (b if bias else 0)) < 0.05
-    # Leading dimensions are flattened and restored.
-    assert torch.equal(fp8.fp8_linear(x.view(1, t, k), w8, w_scale, b), y.view(1, t, n))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 5e-3), (torch.float32, 1e-3)])
-@pytest.mark.parametrize("t,k,n", [(64, 4096, 6144), (7, 70, 33)])
-def test_fp8_linear_on_the_gpu_and_in_a_cuda_graph(t, k, n, dtype, tolerance):
-    """_scaled_mm (or, for 70 x 33, the float32 path) against the exact math. Measured on an
-    H100 (torch 2.11): bf16 out 2.1-2.4e-3 (its rounding), float32 out under 1e-4."""
-    x = torch.randn(t, k, device="cuda", dtype=dtype)
-    w8, w_scale = fp8.quantize_weight(torch.randn(n, k, device="cuda") * k ** -0.5)
-    bias = torch.randn(n, device="cuda", dtype=dtype)
-    y = fp8.fp8_linear(x, w8, w_scale, bias)
-    xq, x_scale = fp8.quantize_per_token(x)
-    exact = (xq.double() * x_scale.double()) @ (w8.double() * w_scale.double()[:, None]).t()
-    assert y.dtype == dtype and rel(y, exact + bias.double()) < tolerance
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fp8.fp8_linear(x, w8, w_scale, bias)       # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fp8.fp8_linear(x, w8, w_scale, bias)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(captured, fp8.fp8_linear(x, w8, w_scale, bias))
-
-
-def test_quantize_weight_round_trip():
-    torch.manual_seed(1)
-    w = torch.randn(40, 70) * torch.logspace(-3, 1, 40)[:, None]    # rows of any magnitude
-    w[3] = 0
-    w8, scale = fp8.quantize_weight(w)
-    assert w8.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (40,)
-    assert scale[3].item() == MIN_SCALE_F32 and not w8[3].float().any()
-    live = [i for i in range(40) if i != 3]
-    assert torch.equal(w8[live].float().abs().amax(1), torch.full((39,), 448.0))
-    # Normal e4m3 values are off by at most half a step (2^-4 relative); subnormals (below
-    # 2^-6 of the scale) by at most half the smallest step, 2^-10 of the scale.
-    err = (fp8.dequantize_weight(w8, scale) - w).abs()
-    bound = torch.maximum(w.abs() * 2 ** -4, scale[:, None] * 2 ** -10)
-    assert (err <= bound * (1 + 1e-6)).all()
-    # Given scales (a row-parallel rank's, from the whole rows): the same values as slicing.
-    w8_half, _ = fp8.quantize_weight(w[:, :35], scale)
-    assert torch.equal(w8_half.view(torch.uint8), w8[:, :35].view(torch.uint8))
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -456,117 +332,3 @@ def test_engine_quantization_other_than_fp8_is_refused_by_name(method):
     assert EngineConfig.of().quantization is None
     with pytest.raises(ValueError, match=r"unsupported quantization 'awq'"):
         ModelConfig.from_dict(BASE).with_quantization("awq")
-
-
-# -- tensor parallelism ----------------------------------------------------------------------
-
-TP = 2
-# (model, load_format): GQA; qkv bias; one KV head (replicated) + padded tied vocabulary;
-# random weights drawn and quantized per rank; an FP8 checkpoint (per-channel) split.
-TP_CASES = [("llama_gqa", "auto"), ("qwen2_bias", "auto"), ("llama_odd_vocab", "auto"),
-            ("llama_gqa", "dummy"), ("ct-channel", "auto")]
-RANK_TIMEOUT_S = 180
-
-
-def fp8_two_steps(model_dir: str, load_format: str) -> dict:
-    """tests/test_tensor_parallel_model.py's two steps of logits with FP8 linear layers, and
-    the FP8 weights (and their slicing) of the model's first layer."""
-    import test_tensor_parallel_model as tp_model
-
-    built = []
-
-    def load(*args):
-        built.append(load_model(*args, quantization="fp8"))
-        return built[-1]
-
-    with mock.patch.object(tp_model, "load_model", load):
-        logits = tp_model.two_steps_logits(model_dir, load_format)
-    layer = built[0].layers[0]
-    linear = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
-              "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
-    return {"logits": logits,
-            "weights": {k: (m.weight.detach().view(torch.uint8).clone(),
-                            m.weight_scale.detach().clone()) for k, m in linear.items()},
-            "pieces": {k: m.pieces for k, m in linear.items() if hasattr(m, "pieces")}}
-
-
-def rank_slice(whole: torch.Tensor, key: str, rank: int, pieces: dict) -> torch.Tensor:
-    """Rank `rank`'s part of a tp = 1 weight or scale: its rows of each packed shard, or (row-
-    parallel) its columns of the weight and all the scales."""
-    if key in pieces:
-        shards = whole.split([full for full, _, _ in pieces[key]])
-        return torch.cat([s.narrow(0, start, rows) for s, (_, start, rows) in
-                          zip(shards, pieces[key])])
-    if whole.dim() == 1:
-        return whole
-    cols = whole.shape[1] // TP
-    return whole[:, rank * cols:(rank + 1) * cols]
-
-
-def _rank_main(rank: int, init_method: str, cases: list[tuple[str, str, str]],
-               out_dir: str) -> None:
-    torch.set_num_threads(1)
-    distributed.init_tp(rank, TP, init_method, "gloo", timeout_s=60)
-    try:
-        for key, model_dir, load_format in cases:
-            stem = os.path.join(out_dir, f"{key}.rank{rank}")
-            try:
-                torch.save(fp8_two_steps(model_dir, load_format), stem + ".pt")
-            except Exception:
-                with open(stem + ".err", "w") as f:
-                    f.write(traceback.format_exc())
-                break
-    finally:
-        distributed.destroy_tp()
-
-
-def tp_model_dir(name: str, tiny_model_root: str, fp8_checkpoints: dict[str, str]) -> str:
-    return fp8_checkpoints.get(name) or make_tiny_model(name, tiny_model_root)
-
-
-def source_model_dir(name: str, tiny_model_root: str) -> str:
-    """The 16-bit checkpoint of a case (the FP8 checkpoints are made from llama_gqa)."""
-    return make_tiny_model("llama_gqa" if name == "ct-channel" else name, tiny_model_root)
-
-
-@pytest.fixture(scope="module")
-def fp8_rank_outputs(tiny_model_root, fp8_checkpoints, tmp_path_factory) -> str:
-    out_dir = str(tmp_path_factory.mktemp("fp8_tp_ranks"))
-    cases = [(f"{name}-{fmt}", tp_model_dir(name, tiny_model_root, fp8_checkpoints), fmt)
-             for name, fmt in TP_CASES]
-    run_ranks(_rank_main, cases, out_dir, TP, RANK_TIMEOUT_S)
-    return out_dir
-
-
-@pytest.mark.parametrize("name,load_format", TP_CASES)
-def test_two_fp8_ranks_give_the_logits_of_one(name, load_format, fp8_rank_outputs,
-                                              tiny_model_root, fp8_checkpoints):
-    import test_tensor_parallel_model as tp_model
-
-    assert get_tp().size == 1
-    one = fp8_two_steps(tp_model_dir(name, tiny_model_root, fp8_checkpoints), load_format)
-    plain = tp_model.two_steps_logits(source_model_dir(name, tiny_model_root), load_format)
-    expected = one["logits"]
-    for rank in range(TP):
-        stem = os.path.join(fp8_rank_outputs, f"{name}-{load_format}.rank{rank}")
-        if os.path.exists(stem + ".err"):
-            pytest.fail(f"rank {rank} failed:\n" + open(stem + ".err").read())
-        if not os.path.exists(stem + ".pt"):
-            pytest.fail(f"rank {rank} has no logits: an earlier case failed on some rank")
-        out = torch.load(stem + ".pt")
-        # Each rank's FP8 weights and scales are exactly its slice of the tp = 1 model's.
-        for key, (w8, scale) in out["weights"].items():
-            whole_w8, whole_scale = one["weights"][key]
-            assert torch.equal(w8, rank_slice(whole_w8, key, rank, out["pieces"])), key
-            assert torch.equal(scale, rank_slice(whole_scale, key, rank, out["pieces"])), key
-        # The logits are not: o_proj and down_proj quantize each rank's half of their input
-        # with that half's own per-token scales (finer than tp = 1's, and no collective to
-        # share them). Measured: 2.5-9.9 % apart (every logit differs), while both are as
-        # far from the 16-bit model's: 4.4-20 %, tp = 2 at most 6 % further than tp = 1.
-        got = out["logits"]
-        assert got.shape == expected.shape
-        tp1_error, tp2_error = rel(expected, plain), rel(got, plain)
-        print(f"\n{name}-{load_format} rank {rank}: tp2 vs tp1 {rel(got, expected):.4f}; "
-              f"vs 16-bit: tp1 {tp1_error:.4f} tp2 {tp2_error:.4f}")
-        assert rel(got, expected) < 0.12
-        assert tp2_error < 1.1 * tp1_error + 0.01
