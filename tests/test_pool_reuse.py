@@ -14,11 +14,9 @@ from router.routing import Route
 from tiny_models import make_tiny_model
 
 ray = pytest.importorskip("ray")
-from router.app import start_client  # noqa: E402
-from router.app_config import AppConfig  # noqa: E402
+from test_pooled_mode import shutdown, start  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-OPTIONS = {"prefill": {"num_cpus": 0}, "decode": {"num_cpus": 0}}
 BS = 16   # the engines' block size (EngineConfig's default)
 
 
@@ -31,17 +29,9 @@ def tiny(tiny_model_root):
 def pooled(request, ray_cluster, tiny):
     """Two prefill engines (one puts a prefix into the pool, the other reads it), two decoders;
     blocks moved through the pool's shared memory (engines on its node), or the transport."""
-    config = AppConfig.from_args({"mode": "pooled", "transport": "nixl", "num_prefill": 2,
-                                  "num_decode": 2,
-                                  "kv_pool": {"shared_memory": request.param},
-                                  "engine": {"model": tiny, "max_model_len": 512,
-                                             "max_num_seqs": 8},
-                                  "limits": {"request_timeout_s": 30, "max_tokens": 400}})
-    client = start_client(config, config.engine, OPTIONS)
-    asyncio.run(client.wait_ready(120))
+    client = start(tiny, "nixl", num_decode=2, num_prefill=2, shared_memory=request.param)
     yield client
-    for a in [*client.prefill, *client.decode, client.handoff.pool]:
-        ray.kill(a)
+    shutdown(client)
 
 
 def load_of(actor):

@@ -27,13 +27,16 @@ OPTIONS = {"prefill": {"num_cpus": 0}, "decode": {"num_cpus": 0}}
 POOL_IDLE = ("reserved", "pinned", "holds", "in_flight", "request_blocks")
 
 
-def start(model_dir: str, transport: str, num_decode: int = 1):
+def start(model_dir: str, transport: str, num_decode: int = 1, num_prefill: int = 1,
+          shared_memory: bool | None = None):
     # Small KV caches (8 sequences of 512 tokens) keep the engines and the KV pool light.
-    # nixl: the engines copy through the pool's shared memory (all on its node); ucx and ray:
-    # the blocks go through the transport.
+    # By default nixl engines copy through the pool's shared memory (all on its node); ucx
+    # and ray: the blocks go through the transport.
+    if shared_memory is None:
+        shared_memory = transport == "nixl"
     config = AppConfig.from_args({"mode": "pooled", "transport": transport,
-                                  "num_decode": num_decode,
-                                  "kv_pool": {"shared_memory": transport == "nixl"},
+                                  "num_prefill": num_prefill, "num_decode": num_decode,
+                                  "kv_pool": {"shared_memory": shared_memory},
                                   "engine": {"model": model_dir, "max_model_len": 512,
                                              "max_num_seqs": 8},
                                   "limits": {"request_timeout_s": 30, "max_tokens": 400}})
