@@ -10,17 +10,15 @@ from kernels.testing import use_interpreter_without_gpu
 use_interpreter_without_gpu()
 
 import os  # noqa: E402
-import traceback  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pd_cluster import distributed  # noqa: E402
 from pd_cluster.distributed import get_tp  # noqa: E402
 from pd_cluster.models.loader import load_model  # noqa: E402
 from test_fp8_weights import fp8_checkpoints, rel  # noqa: E402,F401 (a fixture)
-from test_tensor_parallel_model import run_ranks  # noqa: E402
+from test_tensor_parallel_model import rank_cases, run_ranks  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 
@@ -69,19 +67,7 @@ def rank_slice(whole: torch.Tensor, key: str, rank: int, pieces: dict) -> torch.
 
 def _rank_main(rank: int, init_method: str, cases: list[tuple[str, str, str]],
                out_dir: str) -> None:
-    torch.set_num_threads(1)
-    distributed.init_tp(rank, TP, init_method, "gloo", timeout_s=60)
-    try:
-        for key, model_dir, load_format in cases:
-            stem = os.path.join(out_dir, f"{key}.rank{rank}")
-            try:
-                torch.save(fp8_two_steps(model_dir, load_format), stem + ".pt")
-            except Exception:
-                with open(stem + ".err", "w") as f:
-                    f.write(traceback.format_exc())
-                break
-    finally:
-        distributed.destroy_tp()
+    rank_cases(rank, init_method, cases, out_dir, fp8_two_steps)
 
 
 def tp_model_dir(name: str, tiny_model_root: str, fp8_checkpoints: dict[str, str]) -> str:

@@ -88,16 +88,21 @@ def two_steps_logits(model_dir: str, load_format: str) -> torch.Tensor:
 
 def _rank_main(rank: int, init_method: str, cases: list[tuple[str, str, str]],
                out_dir: str) -> None:
-    """One rank: every case's logits to out_dir/{case}.rank{rank}.pt, or its traceback to
-    .err and no further case (the ranks' collectives would no longer pair up; one left waiting
-    in a collective gives up after COLLECTIVE_TIMEOUT_S)."""
+    rank_cases(rank, init_method, cases, out_dir, two_steps_logits)
+
+
+def rank_cases(rank: int, init_method: str, cases: list[tuple[str, str, str]], out_dir: str,
+               compute) -> None:
+    """One rank: every case's `compute(model_dir, load_format)` to out_dir/{case}.rank{rank}.pt,
+    or its traceback to .err and no further case (the ranks' collectives would no longer pair
+    up; one left waiting in a collective gives up after COLLECTIVE_TIMEOUT_S)."""
     torch.set_num_threads(1)      # two ranks on two cores
     distributed.init_tp(rank, TP, init_method, "gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
     try:
         for key, model_dir, load_format in cases:
             stem = os.path.join(out_dir, f"{key}.rank{rank}")
             try:
-                torch.save(two_steps_logits(model_dir, load_format), stem + ".pt")
+                torch.save(compute(model_dir, load_format), stem + ".pt")
             except Exception:
                 with open(stem + ".err", "w") as f:
                     f.write(traceback.format_exc())
