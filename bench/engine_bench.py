@@ -38,25 +38,30 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t)
 
 
-def _sync_step(engine):
-    out = engine.step()
-    torch.cuda.synchronize()
-    return out
-
-
-def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float,
-                 weight_bytes: int, kv_token_bytes: int) -> dict:
-    engine, rng = llm.engine, random.Random(batch * 7 + context)
-    # Room for every token until the timed steps end, so no request finishes before then
-    # (prompts are admitted over several prefill steps; the first ones decode meanwhile).
-    params = SamplingParams(temperature=0, max_tokens=llm.engine.max_model_len - context - 1,
-                            ignore_eos=True)
-    ids = [engine.add_request([rng.randrange(1000, 120000) for _ in range(context)], params)
+def start_decoding(engine, batch: int, context: int, low: int, high: int, seed: int,
+                   **params) -> list[str]:
+    """`batch` greedy requests of `context` random tokens in [low, high), all prefilled and
+    three steps into decoding, the device idle: what a timed decode loop starts from. They
+    have room for every token until max_model_len, so none finishes while it is timed
+    (prompts are admitted over several prefill steps; the first ones decode meanwhile)."""
+    rng = random.Random(seed)
+    sampling = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context - 1,
+                              ignore_eos=True, **params)
+    ids = [engine.add_request([rng.randrange(low, high) for _ in range(context)], sampling)
            for _ in range(batch)]
     while any(engine.scheduler.requests[i].num_computed_tokens < context for i in ids):
         engine.step()
     for _ in range(3):
-        _sync_step(engine)
+        engine.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return ids
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float,
+                 weight_bytes: int, kv_token_bytes: int) -> dict:
+    engine = llm.engine
+    ids = start_decoding(engine, batch, context, 1000, 120000, seed=batch * 7 + context)
     computed = sum(engine.scheduler.requests[i].num_computed_tokens for i in ids)
     t = time.perf_counter()
     for _ in range(steps):

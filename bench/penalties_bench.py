@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from bench.engine_bench import start_decoding  # noqa: E402
 from bench.models import dummy_model_dir  # noqa: E402
-from pd_cluster import LLM, SamplingParams  # noqa: E402
+from pd_cluster import LLM  # noqa: E402
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
 
@@ -32,18 +32,11 @@ def _sync() -> None:
 
 def step_ms(llm: LLM, batch: int, context: int, steps: int, penalized: bool) -> float:
     """Mean decode step time of `batch` requests of `context` prompt tokens each."""
-    engine, rng = llm.engine, random.Random(batch + context)
+    engine = llm.engine
     vocab = engine.model_cfg.vocab_size
     extra = dict(PENALTIES, logit_bias={1: 1.0, vocab // 2: -5.0, vocab - 1: 2.0})
-    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context - 1,
-                            ignore_eos=True, **(extra if penalized else {}))
-    ids = [engine.add_request([rng.randrange(vocab) for _ in range(context)], params)
-           for _ in range(batch)]
-    while any(engine.scheduler.requests[i].num_computed_tokens < context for i in ids):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    _sync()
+    ids = start_decoding(engine, batch, context, 0, vocab, seed=batch + context,
+                         **(extra if penalized else {}))
     began = time.perf_counter()
     for _ in range(steps):
         engine.step()

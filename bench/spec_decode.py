@@ -19,7 +19,6 @@ import argparse
 import gc
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from bench.engine_bench import start_decoding  # noqa: E402
 from bench.models import LLAMA_31_8B, dummy_model_dir  # noqa: E402
 from pd_cluster import LLM, SamplingParams  # noqa: E402
 from pd_cluster.spec_decode.decoder import SpecStats  # noqa: E402
@@ -122,16 +122,8 @@ def batch_run(model: str, name: str, spec: dict | None, batch: int, context: int
               extra: dict) -> dict:
     """One engine's decode tokens/s over `steps` steps of `batch` random-token sequences."""
     with LLM(model, load_format="dummy", speculative=spec, **extra) as llm:
-        engine, rng = llm.engine, random.Random(batch * 7 + context)
-        params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context - 1,
-                                ignore_eos=True)
-        ids = [engine.add_request([rng.randrange(3, 500) for _ in range(context)], params)
-               for _ in range(batch)]
-        while any(engine.scheduler.requests[i].num_computed_tokens < context for i in ids):
-            engine.step()
-        for _ in range(3):
-            engine.step()
-        sync()
+        engine = llm.engine
+        ids = start_decoding(engine, batch, context, 3, 500, seed=batch * 7 + context)
         before = sum(len(engine.scheduler.requests[i].output_token_ids) for i in ids)
         t = time.perf_counter()
         for _ in range(steps):
