@@ -20,9 +20,9 @@ Chunks are multiples of BLOCK_N long, so short sequences simply use fewer of the
 chunk per sequence (large batches fill the GPU without splitting) stage 1 writes `out`
 directly and stage 2 is not launched: one kernel less per layer, no fp32 scratch.
 
-An fp8 cache's tiles are widened to q's dtype in stage 1; K's scale joins qk_scale and V's
-scales each chunk's output (kernels/paged.py), so stage 2 merges outputs already in value
-units. Reference: kernels/reference.py decode_attention_ref.
+An fp8 cache's tiles are widened to float16 in stage 1 (V by PTX on GPUs, kernels/paged.py);
+K's scale joins qk_scale and V's scales each chunk's output (kernels/paged.py), so stage 2
+merges outputs already in value units. Reference: kernels/reference.py decode_attention_ref.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged import attend_paged_range, check_kv_dtype, dot_dtype, load_kv_scales
+from kernels.paged import (attend_paged_range, check_kv_dtype, dot_dtype, load_kv_scales,
+                           widen_by_ptx)
 
 # Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
 # 128, bench sweeps): KV bandwidth saturates once about 3.5 stage-1 programs per SM are in
@@ -63,7 +64,7 @@ def _decode_stage1_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    KV_SCALED: tl.constexpr,
+    KV_SCALED: tl.constexpr, V_PTX: tl.constexpr,
 ):
     """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
     PartialLse is unused; stride_ps is 0."""
@@ -91,7 +92,7 @@ def _decode_stage1_kernel(
     acc, m_i, l_i = attend_paged_range(
         acc, m_i, l_i, q, offs_h, KCache, VCache, BlockTables + seq * stride_bt,
         kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
-        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False)
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX)
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
     out = acc / l_i[:, None] * v_scale
     tl.store(part + offs_d[None, :], out.to(PartialOut.dtype.element_ty),
@@ -146,6 +147,20 @@ def choose_num_splits(seq_heads: int, max_seq_len: int, num_sms: int) -> int:
     return max(1, min(wanted, worthwhile, MAX_SPLITS))
 
 
+def _block_n(head_dim: int, fp8: bool, programs: int, num_sms: int) -> int:
+    """Tokens per K/V tile. 16-bit: 64 (32 past head_dim 128, for registers). An fp8 tile of
+    128 tokens holds the bytes of a 16-bit tile of 64, and once V is widened in registers
+    (kernels/paged.py) 128 is the faster while more than ~4 programs per SM queue up, 64
+    below that, where each program's chain of tiles is the critical path (H200, 1k context:
+    187 against 205 us at batch 256, 101 / 108 at 128, 66 / 59 at 64;
+    bench/decode_fp8_variants.py `v_asm`)."""
+    if head_dim > 128:
+        return 32
+    if not fp8:
+        return 64
+    return 128 if programs > 4 * num_sms else 64
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
@@ -165,19 +180,18 @@ def decode_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     check_kv_dtype(q, k_cache, kv_scale)
-    # An fp8 tile of 128 tokens holds the bytes of a 16-bit tile of 64: with 64 the fp8
-    # decode ran at ~1.5-2.0 TB/s on an H100, with 128 at 2.2-2.4 (bench/decode_kv_dtypes.py
-    # --sweep: 64x2048, 128x2048, 256x1024; splits, warps and stages left as they were).
-    block_n = block_n or ((128 if kv_scale is not None else 64) if head_dim <= 128 else 32)
+    if num_splits is None:
+        max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(q.device))
+    block_n = block_n or _block_n(head_dim, kv_scale is not None,
+                                  batch * num_kv_heads * num_splits, _num_sms(q.device))
     block_d = triton.next_power_of_2(head_dim)
     group = num_heads // num_kv_heads
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-                BLOCK_N=block_n, KV_SCALED=kv_scale is not None, num_warps=num_warps,
+                BLOCK_N=block_n, KV_SCALED=kv_scale is not None,
+                V_PTX=kv_scale is not None and widen_by_ptx(q.device), num_warps=num_warps,
                 num_stages=num_stages)
-    if num_splits is None:
-        max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(q.device))
     stage1 = functools.partial(
         _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,
         block_tables, seq_lens)

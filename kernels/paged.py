@@ -18,10 +18,24 @@ KV took 339 / 293 / 184 us against bf16's 364 / 372 / 190 us at 64 x 4096, 256 x
 8 x 16384 tokens of context: half the bytes, but not half the time (bf16 already ran at
 ~2.9 TB/s; widening the tiles costs). Tried and slower on an H100 (64 x 1024 and 256 x 1024,
 2026-11-25): the scores as (k @ q.T).T, so the widened K tile is wgmma's register operand
-(1.84 against 1.92 TB/s, 2.19 against 2.34). An fp8 tensor-core dot (q quantized) is left to
-try.
+(1.84 against 1.92 TB/s, 2.19 against 2.34).
+
+Where V is widened matters. Left to Triton, `.to(float16)` of the V tile is moved past the
+shared-memory copy that turns it into the P @ V dot's B operand, and fp8 bytes are then read
+from shared memory one or two at a time and permuted (V's rows run along head_dim, the
+dot's reduction runs along tokens; ldmatrix can transpose 16-bit values only). Widening in
+the load's own layout (`widen_e4m3` with PTX, an instruction Triton does not move) stores
+fp16 to shared memory and reads it back with ldmatrix, as a 16-bit cache does: decode over
+fp8 KV 5-13 % faster on an H200 (64-256 x 1024; bench/decode_fp8_variants.py, `v_asm`).
+Tried on the same kernel and not faster (H100, 2026-11-25): scores on FP8 tensor cores (q
+quantized per head, K as wgmma's M operand: level with widening, and q's rounding costs
+accuracy), P @ V on FP8 tensor cores (p scaled to e4m3: 1.7x slower, V transposed in
+registers), K and V both widened by PTX (slower: K's operand is better left to Triton), a
+register double buffer of the next tile (slower: fewer programs fit).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -39,6 +53,13 @@ def check_kv_dtype(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tenso
     assert k_cache.dtype == torch.float8_e4m3fn, f"kv_scale given for a {k_cache.dtype} cache"
     assert kv_scale.dtype == torch.float32 and kv_scale.numel() >= 2 \
         and kv_scale.device == k_cache.device and kv_scale.stride(-1) == 1
+
+
+@functools.lru_cache(maxsize=None)
+def widen_by_ptx(device: torch.device) -> bool:
+    """Whether kernels on `device` may widen e4m3 by PTX (`widen_e4m3`): a CUDA GPU of
+    compute capability 8.9 or later, where the instruction exists."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit
@@ -72,15 +93,30 @@ def dot_dtype(q, KV_SCALED: tl.constexpr):
 
 
 @triton.jit
+def widen_e4m3(x, PTX: tl.constexpr):
+    """An e4m3 tile in float16 (exact). PTX: by cvt.rn.f16x2.e4m3x2 in inline assembly,
+    marked impure so Triton keeps it in the load's layout (module docstring); the
+    interpreter and pre-sm89 GPUs cannot run it, so launchers pass PTX only on sm89+."""
+    if PTX:
+        x = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
+                                      [x.to(tl.int8, bitcast=True)], dtype=tl.float16,
+                                      is_pure=False, pack=2)
+    else:
+        x = x.to(tl.float16)
+    return x
+
+
+@triton.jit
 def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset,
                        start, end, qk_scale, stride_block, stride_slot, offs_d, mask_d,
                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr,
-                       CAUSAL: tl.constexpr):
+                       CAUSAL: tl.constexpr, V_PTX: tl.constexpr = False):
     """Online-softmax attention of q [M, BLOCK_D] to positions [start, end) of one sequence.
 
     acc [M, BLOCK_D] (unnormalised output), m_i [M] (running max), l_i [M] (running sum)
     are carried in and returned. BOUNDS masks scores past `end` (a ragged last tile); CAUSAL
     lets row r see only positions <= q_pos[r]; with neither, every tile must be full.
+    V_PTX: an fp8 V tile is widened by `widen_e4m3` with PTX.
     Each K/V tile is loaded once for all M rows: for decode the rows are the query heads of
     one KV head's group, which is how GQA reads the cache once per group.
     """
@@ -94,7 +130,11 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
         # .to(q.dtype): fp8 tiles widened for tl.dot (callers pass q as float16 then, see
         # dot_dtype); a no-op for a cache in q's dtype.
         k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
+        if V_PTX:
+            v = widen_e4m3(v, True)
+        else:
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         if BOUNDS:
             qk = tl.where(mask_n[None, :], qk, float("-inf"))

@@ -30,8 +30,11 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.paged import widen_e4m3  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.reference import (decode_attention_ref, paged_attention_ref, quantize_fp8_ref,  # noqa: E402
                                rope_ref, store_kv_ref)
@@ -134,6 +137,35 @@ def test_decode_kernel_reads_fp8_times_scale(num_splits):
     torch.testing.assert_close(out, ref, atol=ATTN_TOL, rtol=ATTN_TOL)
     exact = decode_attention_ref(q, k, v, table, lens, scale)
     assert_near_exact(out, exact, v)
+
+
+@triton.jit
+def _widen_kernel(X, Out, PTX: tl.constexpr):
+    offs = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(Out + offs, widen_e4m3(tl.load(X + offs), PTX))
+
+
+@pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_widening_gives_every_e4m3_value_exactly(ptx):
+    every = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE).view(16, 16)
+    out = torch.empty(16, 16, dtype=torch.float16, device=DEVICE)
+    _widen_kernel[(1,)](every, out, PTX=ptx)
+    finite = ~every.float().isnan()     # e4m3's two NaNs: a cache never holds them (stores
+    assert torch.equal(out[finite], every.to(torch.float16)[finite])    # saturate at 448)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [24, 64, 96])   # split into chunks; 64- and 128-token tiles
+def test_decode_kernel_reads_fp8_at_real_shapes(batch):
+    seq_lens = torch.randint(1, 4097, (batch,)).tolist()
+    heads, kv_heads, head_dim = 32, 8, 128
+    (k, v), (k8, v8), table = fp8_caches(seq_lens, 16, kv_heads, head_dim)
+    q = torch.randn(batch, heads, head_dim, dtype=DTYPE, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k8, v8, table, lens, head_dim ** -0.5, max(seq_lens),
+                           kv_scale=KV_SCALE)
+    ref = decode_attention_ref(q, k8, v8, table, lens, head_dim ** -0.5, KV_SCALE)
+    torch.testing.assert_close(out, ref, atol=ATTN_TOL, rtol=ATTN_TOL)
 
 
 def test_prefill_kernel_reads_fp8_times_scale():

@@ -1,0 +1,103 @@
+"""Diagnostics for decode attention over an FP8 cache (H100): where the time goes.
+
+    PYTHONPATH=. python bench/attn_diag.py
+
+Prints JSON: torch's read bandwidth at the same byte counts, the load-only floor across
+contexts (fixed cost per call), the shipped kernel across split counts, and a CUDA-graph
+chain of 32 calls (a decode step's attention) against 32 eager calls.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_fp8_variants import load_only  # noqa: E402
+from kernels.decode_attention import decode_attention, _decode_stage1_kernel  # noqa: E402
+
+H, KVH, D, BLK = 32, 8, 128, 16
+
+
+def cache(batch, context):
+    blocks = batch * context // BLK
+    k = torch.randn(blocks, BLK, KVH, D, device="cuda").div(0.05).to(torch.float8_e4m3fn)
+    v = torch.randn(blocks, BLK, KVH, D, device="cuda").div(0.05).to(torch.float8_e4m3fn)
+    table = torch.arange(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, table, lens
+
+
+def main() -> None:
+    res = {"device": torch.cuda.get_device_name(), "triton": triton.__version__}
+    scale = torch.tensor([0.05, 0.05], device="cuda")
+    res["torch_sum"] = []
+    for mb in (68, 137, 274, 548):
+        buf = torch.empty(mb * 2 ** 20 // 2, device="cuda", dtype=torch.bfloat16).normal_()
+        ms = triton.testing.do_bench(lambda: buf.sum())
+        res["torch_sum"].append({"MB": mb, "us": ms * 1e3, "GBps": mb * 2 ** 20 / ms / 1e6})
+        buf = None
+    res["load_only"] = []
+    for ctx in (256, 512, 1024, 2048, 4096):
+        q, k, v, table, lens = cache(64, ctx)
+        words = torch.empty(64 * KVH * 32, dtype=torch.int32, device="cuda")
+        for bn in (64, 128):
+            ms = triton.testing.do_bench(lambda: load_only(k, v, table, lens, words, block_n=bn))
+            res["load_only"].append({"batch": 64, "context": ctx, "block_n": bn, "us": ms * 1e3,
+                                     "GBps": 2 * k.numel() / ms / 1e6})
+    res["splits"] = []
+    for batch, ctx in ((64, 1024), (128, 1024), (256, 1024), (64, 2048), (128, 2048)):
+        q, k, v, table, lens = cache(batch, ctx)
+        out = torch.empty_like(q)
+        for splits in (None, 1, 2, 3, 4, 6, 8):
+            for bn in (64, 128):
+                ms = triton.testing.do_bench(lambda: decode_attention(
+                    q, k, v, table, lens, D ** -0.5, ctx, out=out, kv_scale=scale,
+                    num_splits=splits, block_n=bn))
+                res["splits"].append({"batch": batch, "context": ctx, "splits": splits,
+                                      "block_n": bn, "us": ms * 1e3,
+                                      "GBps": 2 * k.numel() / ms / 1e6})
+    # a decode step's 32 attention calls, eager and as one CUDA graph (32 distinct caches,
+    # so nothing stays in L2 between calls)
+    layers = [cache(64, 1024) for _ in range(32)]
+    out = torch.empty_like(layers[0][0])
+
+    def step():
+        for q, k, v, table, lens in layers:
+            decode_attention(q, k, v, table, lens, D ** -0.5, 1024, out=out, kv_scale=scale)
+    step()
+    eager = triton.testing.do_bench(step)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        step()
+        with torch.cuda.graph(g, stream=s):
+            step()
+    torch.cuda.synchronize()
+    graphed = triton.testing.do_bench(lambda: g.replay())
+    res["chain_64x1024_x32"] = {"eager_us_per_call": eager * 1e3 / 32,
+                                "graph_us_per_call": graphed * 1e3 / 32}
+    # Triton's code for the shipped kernel: is the K/V loop software-pipelined?
+    try:
+        kernels = list(_decode_stage1_kernel.device_caches[0][0].items())
+    except Exception as e:      # the cache's layout differs across Triton versions
+        kernels = []
+        res["ttgir_error"] = repr(e)[:200]
+    for key, kern in kernels:
+        ttgir = kern.asm.get("ttgir", "")
+        res.setdefault("ttgir", []).append({
+            "async_copy": ttgir.count("async_copy_global_to_local"),
+            "tma": ttgir.count("async_tma"), "local_alloc": ttgir.count("local_alloc"),
+            "warp_group_dot": ttgir.count("warp_group_dot"), "dot": ttgir.count("tt.dot"),
+            "n_regs": getattr(kern, "n_regs", None), "shared": kern.metadata.shared,
+            "key": str(key)[:160]})
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
