@@ -1,13 +1,15 @@
 """Diagnostics for decode attention over an FP8 cache (H100): where the time goes.
 
-    PYTHONPATH=. python bench/attn_diag.py
+    PYTHONPATH=. python bench/attn_diag.py [--occupancy]
 
 Prints JSON: torch's read bandwidth at the same byte counts, the load-only floor across
 contexts (fixed cost per call), the shipped kernel across split counts, and a CUDA-graph
-chain of 32 calls (a decode step's attention) against 32 eager calls.
+chain of 32 calls (a decode step's attention) against 32 eager calls. --occupancy instead
+sweeps the shipped kernel's warps x register cap x stages x tile at four batch shapes.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -50,6 +52,25 @@ def main() -> None:
             ms = triton.testing.do_bench(lambda: load_only(k, v, table, lens, words, block_n=bn))
             res["load_only"].append({"batch": 64, "context": ctx, "block_n": bn, "us": ms * 1e3,
                                      "GBps": 2 * k.numel() / ms / 1e6})
+    if "--occupancy" in sys.argv:    # registers and warps against programs per SM
+        res["occupancy"] = []
+        for batch, ctx in ((64, 1024), (128, 1024), (256, 1024), (64, 2048)):
+            q, k, v, table, lens = cache(batch, ctx)
+            out = torch.empty_like(q)
+            for warps, nreg, stages, bn in itertools.product((2, 4), (None, 128, 96), (2, 3, 4),
+                                                            (64, 128)):
+                knobs = dict(num_warps=warps, maxnreg=nreg, num_stages=stages, block_n=bn)
+                try:
+                    ms = triton.testing.do_bench(lambda: decode_attention(
+                        q, k, v, table, lens, D ** -0.5, ctx, out=out, kv_scale=scale, **knobs))
+                except Exception as e:      # a setting Triton cannot compile: say so
+                    res["occupancy"].append({"batch": batch, "context": ctx, **knobs,
+                                             "error": repr(e)[:200]})
+                    continue
+                res["occupancy"].append({"batch": batch, "context": ctx, **knobs,
+                                         "us": ms * 1e3, "GBps": 2 * k.numel() / ms / 1e6})
+        print(json.dumps(res, indent=1))
+        return
     res["splits"] = []
     for batch, ctx in ((64, 1024), (128, 1024), (256, 1024), (64, 2048), (128, 2048)):
         q, k, v, table, lens = cache(batch, ctx)

@@ -166,11 +166,13 @@ def decode_attention(
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int = 4, num_stages: int = 3, kv_scale: torch.Tensor | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single query token to its paged context (module docstring).
 
     max_seq_len (a host int) sizes the split count without a device sync; the tuning knobs
-    num_splits / block_n / num_warps / num_stages default to the launcher's own choice.
+    num_splits / block_n / num_warps / num_stages / maxnreg (a cap on registers per thread,
+    so more programs fit an SM) default to the launcher's own choice.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -191,7 +193,7 @@ def decode_attention(
                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
                 BLOCK_N=block_n, KV_SCALED=kv_scale is not None,
                 V_PTX=kv_scale is not None and widen_by_ptx(q.device), num_warps=num_warps,
-                num_stages=num_stages)
+                num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     stage1 = functools.partial(
         _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,
         block_tables, seq_lens)
