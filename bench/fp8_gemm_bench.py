@@ -1,9 +1,11 @@
 """The decode step's FP8 weight GEMMs on this GPU: per-token quant + cuBLAS `_scaled_mm` (the
-path above kernels/fp8_linear.MAX_ROWS) against kernels/fp8_linear.py's W8A8 tiles, each
-with K split across 1 or more programs.
+path above kernels/fp8_linear.MAX_ROWS) against kernels/fp8_linear.py's W8A8 tiles.
 
-    python bench/fp8_gemm_bench.py [--batches 32,64,128] [--splits 1,2,4] [--shapes o,down]
-        [--warps 4,8] [--stages 3,4] [--out FILE]
+    python bench/fp8_gemm_bench.py [--batches 32,64,128] [--shapes o,down] [--warps 4,8]
+        [--stages 3,4] [--out FILE]
+
+(Split-K, K's tiles spread over several programs per output tile, was measured with this
+script at commit 1925ec2 and dropped: bench/results/fp8_gemm_split_k_h100x1.json.)
 
 Llama-3.1-8B's decoder-layer shapes (lm_head stays bf16), weights e4m3 with per-row scales,
 x bf16. Timed as bench/gemm_bench.py times: graphs of calls cycling through more weight
@@ -44,7 +46,7 @@ def cublas(x, w):
     return scaled_mm(per_token_quant(x), w)
 
 
-def variants(splits, warps, stages) -> dict:
+def variants(warps, stages) -> dict:
     """label -> (fn, takes pre-quantized x). (A W8A16 variant, w8 widened to x's 16 bits, was
     measured here too and dropped: bench/results/fp8_gemm_h100x1.json.)"""
     out = {"quant alone": (quant, False), "scaled_mm alone": (scaled_mm, True),
@@ -52,25 +54,23 @@ def variants(splits, warps, stages) -> dict:
     for bn, bk in TILES:
         for wp in warps:
             for st in stages:
-                for sk in splits:
-                    label = f"w8a8 n{bn} k{bk} w{wp} s{st}" + (f" split{sk}" if sk > 1 else "")
-                    out[label] = ((lambda bn, bk, wp, st, sk: lambda x, w: fp8_linear_small(
-                        x[0], x[1], w[0], w[1], torch.bfloat16, block_n=bn, block_k=bk,
-                        num_warps=wp, num_stages=st, split_k=sk))(bn, bk, wp, st, sk), True)
+                label = f"w8a8 n{bn} k{bk} w{wp} s{st}"
+                out[label] = ((lambda bn, bk, wp, st: lambda x, w: fp8_linear_small(
+                    x[0], x[1], w[0], w[1], torch.bfloat16, block_n=bn, block_k=bk,
+                    num_warps=wp, num_stages=st))(bn, bk, wp, st), True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="32,64,128")
-    ap.add_argument("--splits", default="1", help="split-K counts to try")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="3,4")
     ap.add_argument("--out")
     args = ap.parse_args()
     ints = lambda text: tuple(map(int, text.split(",")))  # noqa: E731
-    table = variants(ints(args.splits), ints(args.warps), ints(args.stages))
+    table = variants(ints(args.warps), ints(args.stages))
     torch.manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "calls_per_graph": CALLS, "rows": []}
     for name, (n, k) in SHAPES.items():

@@ -60,46 +60,23 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
 def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
                      w_scale: torch.Tensor, out_dtype: torch.dtype,
                      block_n: int | None = None, block_k: int | None = None,
-                     num_warps: int = 4, num_stages: int | None = None,
-                     split_k: int = 1) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """y = (xq * x_scale) @ (w8 * w_scale[:, None]).T in out_dtype, the module docstring's;
-    the tiles default to `tiles`. split_k > 1 splits K across that many programs per output
-    tile, summed in a fixed order (kernels/linear.py), so the output is the same from call to
-    call whatever the programs' timing."""
+    the tiles default to `tiles`."""
     m, k = xq.shape
     n = w8.shape[0]
     assert xq.dtype == w8.dtype == FP8 and xq.stride(-1) == 1 and w8.is_contiguous()
     assert w8.shape[1] == k and x_scale.shape == (m, 1) and x_scale.is_contiguous()
-    assert split_k >= 1
     default_n, default_k, default_stages = tiles(m, n, k)
     block_n, block_k = block_n or default_n, block_k or default_k
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    partial = tickets = xq          # never read when unsplit
-    if split_k > 1:
-        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=xq.device)
-        tickets = _tickets(xq.device, grid[0] * grid[1])
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](xq, w8, y, m, n, k, xq.stride(0), w8.stride(0), y.stride(0), x_scale,
-                         w_scale, partial, tickets, SCALED=True, BLOCK_M=block_m,
-                         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                         num_warps=num_warps, num_stages=num_stages or default_stages)
+                         w_scale, SCALED=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k, num_warps=num_warps,
+                         num_stages=num_stages or default_stages)
     return y
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-MAX_TILES = 1 << 16     # output tiles of one split GEMM: 256 rows x 128k columns in 16 x 32
-
-
-def _tickets(device: torch.device, tiles_needed: int) -> torch.Tensor:
-    """The split-K tickets of `device`: int32 zeros that every split GEMM leaves at zero, so
-    one buffer serves all of them, eager or in CUDA graphs (GEMMs on one stream run one at a
-    time; none of ours run on two streams at once). Never reallocated: a captured graph keeps
-    its address."""
-    assert tiles_needed <= MAX_TILES, f"{tiles_needed} output tiles to split"
-    if device not in _TICKETS:
-        _TICKETS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _TICKETS[device]
 
 
 def fp8_linear_small_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,

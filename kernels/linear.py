@@ -30,52 +30,30 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, XS, WS, Partial, Tickets,
+def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, XS, WS,
                    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr):
     """SCALED: x and w are FP8 with per-row scales XS [M] and WS [N] (kernels/fp8_linear.py),
-    applied once to the float32 accumulator.
-
-    SPLIT_K > 1 (grid axis 2): each program takes a contiguous run of K's tiles and stores
-    its float32 sum to Partial [SPLIT_K, M, N]; the last of an output tile's programs to
-    finish (a ticket from Tickets [tiles] int32, which it resets to 0) adds the partials in
-    split order, so the output does not depend on which program finished when."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    applied once to the float32 accumulator."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    k_run = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K     # whole tiles per split
-    k_start = pid_k * k_run
-    k_end = tl.minimum(k_start + k_run, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         mask_k = (k0 + offs_k) < K
         x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K > 1:
-        cell = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(Partial + pid_k * M * N + cell, acc, mask=mask_mn)
-        # acq_rel: this program's partial is visible before its ticket is taken, and the
-        # last taker sees every earlier partial.
-        ticket = tl.atomic_add(Tickets + pid_m * tl.num_programs(1) + pid_n, 1)
-        if ticket != SPLIT_K - 1:
-            return
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for split in range(SPLIT_K):
-            acc += tl.load(Partial + split * M * N + cell, mask=mask_mn, other=0.0,
-                           cache_modifier=".cg")
-        tl.atomic_xchg(Tickets + pid_m * tl.num_programs(1) + pid_n, 0)
     if SCALED:
         x_scale = tl.load(XS + offs_m, mask=mask_m, other=0.0)
         w_scale = tl.load(WS + offs_n, mask=mask_n, other=0.0)
         acc = acc * x_scale[:, None] * w_scale[None, :]
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_mn)
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def tiles(k: int) -> tuple[int, int]:
@@ -94,10 +72,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, block_n: int | None = None,
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    # Unscaled and unsplit: the scale, partial and ticket pointers are never read; x stands in.
-    _linear_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), x, x, x, x,
+    # Unscaled: the scale pointers are never read; x stands in.
+    _linear_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), x, x,
                          SCALED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         SPLIT_K=1, num_warps=4, num_stages=num_stages)
+                         num_warps=4, num_stages=num_stages)
     return y
 
 

@@ -18,8 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.fp8_linear import (_TICKETS, fp8_linear_small, fp8_linear_small_ref,  # noqa: E402
-                                takes, tiles)
+from kernels.fp8_linear import fp8_linear_small, fp8_linear_small_ref, takes, tiles  # noqa: E402
 from kernels.fp8_quant import ONE_PASS_MAX, per_token_quant, per_token_quant_ref  # noqa: E402
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from pd_cluster.models import fp8, ops  # noqa: E402
@@ -164,38 +163,6 @@ def test_small_m_fp8_gemm_matches_its_float_reference(m, n, k, out_dtype):
     # float32 accumulation in another order, then one rounding to out_dtype
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out_dtype]
     torch.testing.assert_close(y, ref, atol=tol * ref.abs().max().item(), rtol=tol)
-
-
-@pytest.mark.parametrize("m,n,k,split_k", [(3, 96, 256, 2), (17, 33, 1000, 4),   # ragged
-                                            (70, 64, 512, 3),                   # two row tiles
-                                            (2, 64, 64, 4)])      # more splits than K tiles
-def test_split_k_gemm_sums_in_split_order_and_leaves_its_tickets_at_zero(m, n, k, split_k):
-    torch.manual_seed(k)
-    x = torch.randn(m, k, device=DEVICE)
-    xq, x_scale = per_token_quant_ref(x)
-    w8, w_scale = fp8.quantize_weight(torch.randn(n, k, device=DEVICE) * k ** -0.5)
-    args = (xq, x_scale, w8, w_scale, torch.float32)
-    y = fp8_linear_small(*args, block_n=32, block_k=64, split_k=split_k)
-    ref = fp8_linear_small_ref(*args)
-    torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
-    # The partial sums added in split order: the same bits on every call.
-    assert torch.equal(fp8_linear_small(*args, block_n=32, block_k=64, split_k=split_k), y)
-    assert not _TICKETS[xq.device].any()
-
-
-@pytest.mark.gpu
-def test_split_k_gemm_in_a_cuda_graph_gives_the_eager_bits():
-    xq, x_scale = fp8.quantize_per_token(torch.randn(64, 4096, device="cuda"))
-    w8, w_scale = fp8.quantize_weight(torch.randn(4096, 4096, device="cuda") / 64)
-    args = (xq, x_scale, w8, w_scale, torch.bfloat16)
-    eager = fp8_linear_small(*args, split_k=4)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fp8_linear_small(*args, split_k=4)
-    for _ in range(3):
-        graph.replay()
-        assert torch.equal(captured, eager)
-    assert not _TICKETS[xq.device].any()
 
 
 def test_small_m_kernel_has_tiles_for_every_shape_it_takes():
