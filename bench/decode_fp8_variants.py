@@ -16,7 +16,7 @@ split), all reading the same cache (`VARIANTS` names them):
                  no K widening); `_v_asm` with V widened by PTX
     *_pv8_*      p scaled by 448 into e4m3, P @ V on FP8 tensor cores (V transposed)
     transposed   the whole loop on S^T and O^T; `split` adds q's (and p's) e4m3 rounding
-                 error as a second FP8 dot
+                 error as a second FP8 dot; `_v_asm` widens V by PTX (both dots on wgmma)
     f16_prefetch the next tile's K and V loaded before this tile's math (register double buffer)
 The fp16 P @ V on swapped operands (`*_pv16_swapped`, `transposed_pv16`,
 `transposed_split_pv16`) faulted the GPU under Triton 3.6 (illegal address), so they are left
@@ -91,7 +91,7 @@ def load_only(k, v, table, lens, out_words, block_n=128, num_warps=4, num_stages
 def _transposed_loop(q_t, q_lo_t, row_scale, lo_scale, KCache, VCache, table_row, head_offset,
                      end, stride_cb, stride_cs, offs_d, PAGE_SIZE: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     PV_FP8: tl.constexpr, SPLIT: tl.constexpr):
+                     PV_FP8: tl.constexpr, SPLIT: tl.constexpr, V_ASM: tl.constexpr):
     acc_t = tl.zeros([HEAD_DIM, BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -112,7 +112,7 @@ def _transposed_loop(q_t, q_lo_t, row_scale, lo_scale, KCache, VCache, table_row
                 p_lo = ((p_t * 448.0 - p_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
                 pv += tl.dot(tl.trans(v), p_lo) * (1.0 / 448.0 / 16.0)
         else:
-            pv = tl.dot(tl.trans(v.to(tl.float16)), p_t.to(tl.float16))
+            pv = tl.dot(tl.trans(widen_e4m3(v, V_ASM)), p_t.to(tl.float16))
         acc_t = acc_t * alpha[None, :] + pv
         l_i = l_i * alpha + tl.sum(p_t, 0)
         m_i = m_new
@@ -160,7 +160,7 @@ def _variant_kernel(Q, KCache, VCache, BlockTables, SeqLens, Out, KVScale, qk_sc
         acc_t, m_i, l_i = _transposed_loop(
             tl.trans(qd), tl.trans(q_lo), row_scale, lo_scale, KCache, VCache, table_row,
             head_offset, end, stride_cb, stride_cs, offs_d, PAGE_SIZE, BLOCK_N, BLOCK_H,
-            HEAD_DIM, PV_FP8, SPLIT)
+            HEAD_DIM, PV_FP8, SPLIT, V_ASM)
         acc = tl.trans(acc_t)
     for n0 in range(0, end if not TRANSPOSED else 0, BLOCK_N):
         if PREFETCH:
@@ -230,6 +230,7 @@ VARIANTS = {
     "transposed_split_pv16": {"transposed": True, "split": True},
     "v_asm": {"v_asm": True}, "kv_asm": {"v_asm": True, "k_asm": True},
     "qk8_swapped_v_asm": {"swap_qk": True, "v_asm": True},
+    "transposed_v_asm": {"transposed": True, "v_asm": True},
     "transposed_split_pv8": {"transposed": True, "pv_fp8": True, "split": True},
 }
 

@@ -29,7 +29,9 @@ fp16 to shared memory and reads it back with ldmatrix, as a 16-bit cache does: d
 fp8 KV 5-13 % faster on an H200 (64-256 x 1024; bench/decode_fp8_variants.py, `v_asm`).
 Tried on the same kernel and not faster (H100, 2026-11-25): scores on FP8 tensor cores (q
 quantized per head, K as wgmma's M operand: level with widening, and q's rounding costs
-accuracy), P @ V on FP8 tensor cores (p scaled to e4m3: 1.7x slower, V transposed in
+accuracy), the whole loop transposed so both dots run on wgmma (level: the tensor cores are
+not the limit; the same program reading its tiles and doing no math takes ~90 % of the time,
+bench/results/decode_fp8_load_only_h100x1.json), P @ V on FP8 tensor cores (p scaled to e4m3: 1.7x slower, V transposed in
 registers), K and V both widened by PTX (slower: K's operand is better left to Triton), a
 register double buffer of the next tile (slower: fewer programs fit).
 """
