@@ -150,10 +150,12 @@ def choose_num_splits(seq_heads: int, max_seq_len: int, num_sms: int) -> int:
 def _block_n(head_dim: int, fp8: bool, programs: int, num_sms: int) -> int:
     """Tokens per K/V tile. 16-bit: 64 (32 past head_dim 128, for registers). An fp8 tile of
     128 tokens holds the bytes of a 16-bit tile of 64, and once V is widened in registers
-    (kernels/paged.py) 128 is the faster while more than ~4 programs per SM queue up, 64
-    below that, where each program's chain of tiles is the critical path (H200, 1k context:
+    (kernels/paged.py) 128 is the faster on an H200 while more than ~4 programs per SM queue
+    up, 64 below that, where each program's chain of tiles is the critical path (1k context:
     187 against 205 us at batch 256, 101 / 108 at 128, 66 / 59 at 64;
-    bench/decode_fp8_variants.py `v_asm`)."""
+    bench/decode_fp8_variants.py `v_asm`). An H100 agrees at 256 (217 / 221 us) and 64
+    (66 / 74-87) but not at 128 (122 / 118: bench/results/attn_diag_occupancy_h100x1.json);
+    the rule follows the H200."""
     if head_dim > 128:
         return 32
     if not fp8:
