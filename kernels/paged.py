@@ -31,9 +31,10 @@ Tried on the same kernel and not faster (H100, 2026-11-25): scores on FP8 tensor
 quantized per head, K as wgmma's M operand: level with widening, and q's rounding costs
 accuracy), the whole loop transposed so both dots run on wgmma (level: the tensor cores are
 not the limit; the same program reading its tiles and doing no math takes ~90 % of the time,
-bench/results/decode_fp8_load_only_h100x1.json), P @ V on FP8 tensor cores (p scaled to e4m3: 1.7x slower, V transposed in
-registers), K and V both widened by PTX (slower: K's operand is better left to Triton), a
-register double buffer of the next tile (slower: fewer programs fit).
+bench/results/decode_fp8_load_only_h100x1.json), P @ V on FP8 tensor cores (p scaled to
+e4m3: 1.7x slower, V transposed in registers), K and V both widened by PTX (slower: K's
+operand is better left to Triton), a register double buffer of the next tile (slower: fewer
+programs fit).
 """
 from __future__ import annotations
 
