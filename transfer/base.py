@@ -53,12 +53,18 @@ __all__ = ["KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferEr
 log = logging.getLogger(__name__)
 
 
+# How long a transfer's peer may stay silent (no renewal) before the transfer expires; a
+# receiver also fences the blocks a dead sender may still write for this long (plus a margin).
+LEASE_S = 10.0
+
+
 class KVTransport(ABC):
     """Moves (layer range × block ids) between registered KV caches; see the module docstring."""
 
     backend: ClassVar[str]
 
-    def __init__(self, name: str | None = None, *, timeout_s: float = 30.0, lease_s: float = 10.0):
+    def __init__(self, name: str | None = None, *, timeout_s: float = 30.0,
+                 lease_s: float = LEASE_S):
         self.name = name or f"{self.backend}-{uuid.uuid4().hex[:12]}"
         self.timeout_s, self.lease_s = timeout_s, lease_s
         # After register: the shards (tensors, their layouts, each one's first virtual byte and
