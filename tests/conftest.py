@@ -15,18 +15,20 @@ SHARED_SERVER = "default_server"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _run_shared_server_tests_last(items)
+    _run_server_tests_last(items)
     _skip_gpu_tests_without_cuda(items)
 
 
-def _run_shared_server_tests_last(items: list[pytest.Item]) -> None:
-    """The tests on `default_server` run last, in their collected order: it runs on a Ray of
-    its own, so it starts once only if no test between them needs the shared `ray_cluster` or
-    starts another server (either stops the Ray it runs on)."""
-    shared = [item for item in items if SHARED_SERVER in getattr(item, "fixturenames", ())]
-    if shared:
-        last = set(shared)
-        items[:] = [item for item in items if item not in last] + shared
+def _run_server_tests_last(items: list[pytest.Item]) -> None:
+    """Each group in its collected order: the rest, then the `serve` tests, then those on
+    `default_server`. A server runs on a Ray of its own and stops the shared `ray_cluster`
+    first: this way that one starts once, and `default_server` (stopped by any other server
+    or by the shared Ray starting again) starts once too."""
+    def group(item: pytest.Item) -> int:
+        if SHARED_SERVER in getattr(item, "fixturenames", ()):
+            return 2
+        return 1 if item.get_closest_marker("serve") else 0
+    items.sort(key=group)       # stable: the collected order within each group
 
 
 def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
