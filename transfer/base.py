@@ -47,7 +47,7 @@ from transfer.runs import Copy, shard_copies
 from transfer.shards import Segment, check_shards, head_sources, outside, starts
 from transfer.state import LayoutMismatchError, Role, Transfer, TransferError, TransferState
 
-__all__ = ["KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferError",
+__all__ = ["LEASE_S", "KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferError",
            "TransferState"]
 
 log = logging.getLogger(__name__)
