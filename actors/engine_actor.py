@@ -35,6 +35,7 @@ from kernels import compiles
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.sampling_params import SamplingParams
+from transfer.base import LEASE_S
 
 
 class RoleState(str, enum.Enum):
@@ -49,14 +50,19 @@ class WrongRole(RuntimeError):
 @ray.remote
 class EngineActor(StreamingEngine):
     def __init__(self, config: EngineConfig, role: str, replica_id: int, transport: str,
-                 timeout_s: float = 120.0, lease_s: float = 60.0) -> None:
+                 timeout_s: float = 120.0, lease_s: float = 60.0,
+                 transfer_lease_s: float = LEASE_S) -> None:
+        """`lease_s`: how long D holds a reservation without a renewal; `transfer_lease_s`:
+        the KV transport's lease (transfer/base.py), which also sets how long D fences blocks
+        a dead P may still write."""
         if role not in (PREFILL, DECODE):
             raise ValueError(f"role: {role!r} is not {PREFILL!r} or {DECODE!r}")
         self.lease_s = lease_s
         self.loop = EngineLoop(config, timeout_s, role, replica_id)
         self.async_scheduling = self.loop.engine.async_scheduling   # D's setting, resolved
         self._open_outbox()
-        self.end = KVEndpoint(self.loop, transport, timeout_s, f"engine-{role}-{replica_id}-kv")
+        self.end = KVEndpoint(self.loop, transport, timeout_s, f"engine-{role}-{replica_id}-kv",
+                              transfer_lease_s)
         self.handoff: KVHandoff | None = None     # the controller's, once opened for the role
         self.state = RoleState.SERVING
         self.role_changes = 0

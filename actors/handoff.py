@@ -37,6 +37,7 @@ from actors.messages import KVDestination, PooledKV, PrefillResult, PushedKV, Re
 from actors.transport_pump import TransportPump
 from pd_cluster.kv_layout import KVLayout
 from pd_cluster.outputs import RequestOutput
+from transfer.base import LEASE_S
 from transfer.messages import KVDescriptor
 from transfer.registry import make_transport
 
@@ -48,8 +49,9 @@ class KVEndpoint:
     engine's KV cache (every tensor-parallel rank's shard of it, mapped into this process;
     owned by a TransportPump), the peers it has connected to, and the KV it has moved."""
 
-    def __init__(self, loop: EngineLoop, transport: str, timeout_s: float, name: str) -> None:
-        tr = make_transport(transport, timeout_s=timeout_s)
+    def __init__(self, loop: EngineLoop, transport: str, timeout_s: float, name: str,
+                 lease_s: float = LEASE_S) -> None:
+        tr = make_transport(transport, timeout_s=timeout_s, lease_s=lease_s)
         tr.register_shards(loop.engine.kv_shards())
         self.loop, self.timeout_s = loop, timeout_s
         self.descriptor = tr.descriptor()

@@ -120,6 +120,13 @@ class OpenAIRouter:
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.router)
 
+    def __del__(self) -> None:
+        # Serve calls this on a graceful stop, once the replica's requests are done: end the
+        # membership long poll, which would hold the engine controller's stop for seconds.
+        router = getattr(self, "router", None)
+        if router is not None and router.watcher is not None:
+            router.watcher.stop()
+
 
 def _replica_name() -> str:
     try:

@@ -165,6 +165,8 @@ class MembershipWatcher:
         self.membership: Membership | None = None
         self._task: asyncio.Task | None = None
         self._reports: asyncio.Task | None = None
+        self._pending: Any = None           # the long poll in flight (a DeploymentResponse)
+        self._stopped = False
 
     def apply(self, membership: Membership) -> None:
         old = self.membership
@@ -207,12 +209,26 @@ class MembershipWatcher:
             except Exception as e:  # noqa: BLE001 - these samples are lost; carry on
                 logger.warning("latency report to the planner failed: %r", e)
 
+    def stop(self) -> None:
+        """Stop polling and reporting (the router replica stops), and cancel the long poll in
+        flight: the controller counts it as ongoing work, so a stopping application would
+        otherwise wait it out (up to MEMBERSHIP_POLL_S) before the controller can stop."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for task in (self._task, self._reports):
+            if task is not None and not task.done():
+                task.cancel()
+        if self._pending is not None:
+            self._pending.cancel()
+
     async def _poll(self) -> None:
         while True:
             m = self.membership
             try:
-                self.apply(await self.controller.membership.remote(
-                    m.version if m else -1, MEMBERSHIP_POLL_S, m.epoch if m else None))
+                self._pending = self.controller.membership.remote(
+                    m.version if m else -1, MEMBERSHIP_POLL_S, m.epoch if m else None)
+                self.apply(await self._pending)
             except Exception as e:  # noqa: BLE001 - keep the last view, ask again
                 logger.warning("membership poll failed: %r", e)
                 await asyncio.sleep(LOAD_POLL_S)

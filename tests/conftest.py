@@ -5,12 +5,33 @@ Markers (registered in pyproject.toml): `slow` (left out by `-m "not slow"`, the
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from ray_support import start_local_ray, stop_shared_ray
+from ray_support import environ, start_local_ray, stop_shared_ray
+
+SHARED_SERVER = "default_server"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _run_server_tests_last(items)
+    _skip_gpu_tests_without_cuda(items)
+
+
+def _run_server_tests_last(items: list[pytest.Item]) -> None:
+    """Each group in its collected order: the rest, then the `serve` tests, then those on
+    `default_server`. A server runs on a Ray of its own and stops the shared `ray_cluster`
+    first: this way that one starts once, and `default_server` (stopped by any other server
+    or by the shared Ray starting again) starts once too."""
+    def group(item: pytest.Item) -> int:
+        if SHARED_SERVER in getattr(item, "fixturenames", ()):
+            return 2
+        return 1 if item.get_closest_marker("serve") else 0
+    items.sort(key=group)       # stable: the collected order within each group
+
+
+def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -53,3 +74,15 @@ def ray_cluster(_ray_session):
     if not ray.is_initialized():
         start_local_ray()
     return ray
+
+
+@pytest.fixture(scope="session")
+def default_server(_ray_session) -> Iterator[str]:
+    """URL of the real `serve run configs/pd.yaml` as shipped (disaggregated, 1 P + 1 D), with
+    API_KEY required: one server for every module that needs nothing else of it (starting and
+    stopping one takes most of a minute on 2 cores). It stops the shared `ray_cluster`, so
+    the tests that use it run last (pytest_collection_modifyitems)."""
+    from serve_run import API_KEY, API_KEY_ENV, serve_run
+
+    with environ({API_KEY_ENV: API_KEY}), serve_run({"api_key_env": API_KEY_ENV}) as url:
+        yield url

@@ -25,6 +25,9 @@ from waiting import wait_until
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
 START_TIMEOUT_S = 600
+# The shared default application (conftest.py's `default_server`) requires this key, so that
+# its modules can test a wrong one.
+API_KEY_ENV, API_KEY = "PD_TEST_API_KEY", "sk-pd-test"
 
 
 def health(url: str) -> tuple[int, dict | None]:

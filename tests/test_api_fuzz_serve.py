@@ -6,7 +6,6 @@ logit bias honoured, through the official openai client."""
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import httpx2 as httpx
@@ -16,23 +15,21 @@ import pytest
 from tests.test_api_fuzz import CHAT, COMPLETION, SEED, check, mutate, raw_cases
 
 pytest.importorskip("ray")
-from serve_run import serve_run  # noqa: E402
+from serve_run import API_KEY as KEY  # noqa: E402
 from tests.test_router_serve import metrics_of, replica_values  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 MUTATIONS_PER_ENDPOINT = 120    # the default model answers each 200 on 2 CPUs: keep it short
-KEY_ENV, KEY = "PD_TEST_API_KEY", "sk-fuzz-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FRANCE = "The capital of France is"
 OCEAN = "5065"     # the default model's token " ocean"
 
 
 @pytest.fixture(scope="module")
-def server():
-    os.environ[KEY_ENV] = KEY
-    with serve_run({"api_key_env": KEY_ENV}) as url:
-        yield url
+def server(default_server: str) -> str:
+    """The session's shared default application (conftest.py), API_KEY required."""
+    return default_server
 
 
 def fuzz(http: httpx.Client, path: str, base: dict) -> tuple[list[str], dict[int, int]]:

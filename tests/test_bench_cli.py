@@ -6,8 +6,8 @@ records over the duration, recomputed from the per-request records of the JSON r
 section (served step scales from the server's step counters under a short Poisson load, one
 median per prompt length), and tune's predicted TTFT moves up by that overhead.
 
-The server runs on a private local Ray (2 CPUs) on a free loopback port, as in
-tests/test_router_serve.py; it takes about a minute to load the model.
+The server is the session's shared default application (`default_server` in conftest.py:
+a private local Ray on a free loopback port), which requires API_KEY.
 """
 from __future__ import annotations
 
@@ -22,25 +22,24 @@ from pd_cluster.cli import main  # noqa: E402
 from pd_cluster.tuning.profile import (DECODE_FEATURES, PREFILL_FEATURES,  # noqa: E402
                                        LatencyModel, Profile, ServingOverhead)
 from pd_cluster.tuning.serving import MIN_STEPS, SCALE_RANGE, engine_seconds  # noqa: E402
-from serve_run import serve_run  # noqa: E402
+from serve_run import API_KEY  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
 
 @pytest.fixture(scope="module")
-def server():
-    """URL of the real `serve run configs/pd.yaml` (disaggregated, 1 P + 1 D)."""
-    with serve_run({}) as url:
-        yield url
+def server(default_server: str) -> str:
+    """The session's shared default application (conftest.py), API_KEY required."""
+    return default_server
 
 
 def test_bench_reports_every_metric_and_goodput_matches_its_records(server: str,
                                                                      tmp_path: Path):
     report_path = tmp_path / "bench.json"
     before = time.monotonic()
-    assert main(["bench", "--base-url", server, "-n", "12", "--rate", "4",
-                 "--input-len", "32", "--output-len", "16", "--ttft-slo", "5s",
+    assert main(["bench", "--base-url", server, "--api-key", API_KEY, "-n", "12",
+                 "--rate", "4", "--input-len", "32", "--output-len", "16", "--ttft-slo", "5s",
                  "--tpot-slo", "500ms", "--timeout", "120", "--quiet",
                  "-o", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
@@ -79,9 +78,9 @@ def test_bench_reports_every_metric_and_goodput_matches_its_records(server: str,
 
 def test_concurrency_mode_and_a_tight_slo_lower_goodput(server: str, tmp_path: Path):
     report_path = tmp_path / "bench.json"
-    assert main(["bench", "--base-url", server, "-n", "6", "--concurrency", "3",
-                 "--input-len", "uniform:16:48", "--output-len", "8", "--ttft-slo", "1us",
-                 "--quiet", "-o", str(report_path)]) == 0
+    assert main(["bench", "--base-url", server, "--api-key", API_KEY, "-n", "6",
+                 "--concurrency", "3", "--input-len", "uniform:16:48", "--output-len", "8",
+                 "--ttft-slo", "1us", "--quiet", "-o", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     assert report["completed"] == 6
     assert report["slo_attainment"] == 0 and report["goodput"] == 0
@@ -100,9 +99,9 @@ def test_profile_serving_measures_an_overhead_that_tune_adds_to_ttft(server: str
             decode=LatencyModel(DECODE_FEATURES, [1e-7, 1e-3, 0.02])).save(engine_only)
     measured = tmp_path / "cpu_served.json"
     assert main(["profile-serving", "--profile", str(engine_only), "--url", server,
-                 "--lengths", "16,48", "--requests-per-length", "2", "--load-requests", "20",
-                 "--load-rate", "4", "--load-output-len", "4", "--timeout", "120", "--quiet",
-                 "-o", str(measured)]) == 0
+                 "--api-key", API_KEY, "--lengths", "16,48", "--requests-per-length", "2",
+                 "--load-requests", "20", "--load-rate", "4", "--load-output-len", "4",
+                 "--timeout", "120", "--quiet", "-o", str(measured)]) == 0
     assert Profile.load(engine_only).serving_overhead is None     # -o: the input is kept
     overhead = Profile.load(measured).serving_overhead
     assert isinstance(overhead, ServingOverhead) and overhead.url == f"{server}/v1"

@@ -18,9 +18,10 @@ from waiting import wait_until, wait_until_async
 ray = pytest.importorskip("ray")
 from actors.engine_actor import EngineActor  # noqa: E402
 from actors.handoff import PushHandoff  # noqa: E402
+from actors.kv_push import QUARANTINE_MARGIN_S  # noqa: E402
 from router.disagg_client import DisaggregatedClient  # noqa: E402
 from router.errors import EngineUnavailable  # noqa: E402
-from transfer.base import TransferError  # noqa: E402
+from transfer.base import LEASE_S, TransferError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -38,12 +39,13 @@ class FailingPush(PushHandoff):
 
 
 def start(model_dir, transport, num_p=1, num_d=1, recompute=True, lease_s=60.0, handoff=None,
-          **engine):
+          transfer_lease_s=LEASE_S, **engine):
     cfg = EngineConfig(model=model_dir, block_size=16, **engine)
-    p = [EngineActor.options(num_cpus=0).remote(cfg, "prefill", i, transport, 30.0)
+    p = [EngineActor.options(num_cpus=0).remote(cfg, "prefill", i, transport, 30.0,
+                                                transfer_lease_s=transfer_lease_s)
          for i in range(num_p)]
-    d = [EngineActor.options(num_cpus=0).remote(cfg, "decode", i, transport, 30.0, lease_s)
-         for i in range(num_d)]
+    d = [EngineActor.options(num_cpus=0).remote(cfg, "decode", i, transport, 30.0, lease_s,
+                                                transfer_lease_s) for i in range(num_d)]
     client = DisaggregatedClient.over(p, d, recompute, handoff)
     asyncio.run(client.wait_ready(120))
     return client
@@ -58,9 +60,11 @@ def run_all(client, prompts, params=GREEDY, routes=None):
 
 
 # Blocks a P may have written stay quarantined on D until P says DRAINED (a message after
-# the stream ended) or, with no P to say it, for the transport lease plus a margin.
+# the stream ended) or, with no P to say it, for the transport lease plus a margin: the tests
+# that wait that out use a short transport lease (the product's is LEASE_S).
 DRAINED_WITHIN_S = 5.0
-QUARANTINE_S = 11.0
+SHORT_TRANSFER_LEASE_S = 3.0
+QUARANTINE_S = SHORT_TRANSFER_LEASE_S + QUARANTINE_MARGIN_S
 
 
 def all_free(loads) -> bool:
@@ -198,7 +202,8 @@ def test_killed_prefillers_mid_prefill_fall_back_to_another_then_to_the_decoder(
     prompt = list(range(100, 1100))
     params = SamplingParams(temperature=0, max_tokens=4)
     expected = LLM(default_model_dir).generate([prompt], params)[0].outputs[0].token_ids
-    client = start(default_model_dir, "nixl", num_p=2, max_num_batched_tokens=128)
+    client = start(default_model_dir, "nixl", num_p=2, max_num_batched_tokens=128,
+                   transfer_lease_s=SHORT_TRANSFER_LEASE_S)
     try:
         assert prefilled_tokens(load_of(client.decode[0])) == 0
 
@@ -259,7 +264,7 @@ def test_abort_mid_stream_frees_blocks_on_both_sides(tiny):
 
 
 def test_unclaimed_reservation_expires(tiny):
-    client = start(tiny, "nixl", lease_s=1.0)
+    client = start(tiny, "nixl", lease_s=1.0, transfer_lease_s=SHORT_TRANSFER_LEASE_S)
     try:
         dest = ray.get(client.decode[0].reserve.remote("orphan", [5, 6, 7, 8], GREEDY))
         assert dest is not None and dest.block_ids

@@ -36,8 +36,12 @@ ARGS = {"mode": "disaggregated", "num_prefill": 2, "num_decode": 2,
                     "calm_intervals": 1000, "drain_timeout_s": 120}}
 NUM_CPUS = 6                      # Ray's accounting: 4 engines and a router; 2 real cores
 PHASE_S = 240.0                   # longest a phase may take to move the pools
-DECODE_HEAVY = (24, 64, 20)       # concurrency, max_tokens, prompt tokens
-PROMPT_HEAVY = (8, 2, 900)
+# Each distinct request is regenerated offline for the comparison (most of the module's time
+# on 2 cores): short outputs, few long prompts, and the decode-heavy clients share 4 prompt
+# sequences (its concurrency, not its prompts or output length, pushes TPOT over its SLO);
+# every prompt-heavy client has prompts of its own, none found in a prefix cache.
+DECODE_HEAVY = (32, 32, 20, 4)    # concurrency, max_tokens, prompt tokens, distinct prompts
+PROMPT_HEAVY = (4, 2, 900, 4)
 VOCAB = 49152
 
 
@@ -76,17 +80,19 @@ def targets(url: str) -> dict[str, int]:
     return {role: pool["target"] for role, pool in (body or {}).get("pools", {}).items()}
 
 
-def drive(url: str, phase: tuple[int, int, int], tag: int, until, limit_s: float) -> list[dict]:
+def drive(url: str, phase: tuple[int, int, int, int], tag: int, until, limit_s: float
+          ) -> list[dict]:
     """A closed loop of `concurrency` clients, each sending its next request when the last
-    ends, until `until(targets)` holds (checked every second) or `limit_s` passed."""
-    concurrency, max_tokens, length = phase
+    ends, until `until(targets)` holds (checked every second) or `limit_s` passed. Client c's
+    k-th prompt is the k-th of sequence c mod `distinct`."""
+    concurrency, max_tokens, length, distinct = phase
     stop = asyncio.Event()
 
     async def client_loop(client, c: int, results: list) -> None:
         k = 0
         while not stop.is_set():
-            results.append(await complete(client, url, prompt_ids(tag + 1000 * c + k, length),
-                                          max_tokens))
+            ids = prompt_ids(tag + 1000 * (c % distinct) + k, length)
+            results.append(await complete(client, url, ids, max_tokens))
             k += 1
 
     async def watch() -> None:
@@ -118,17 +124,25 @@ def describe(log) -> str:
     return "\n".join(f"{r.action}: {r.reason} {r.loads} {r.applied}" for r in log)
 
 
-def colocated_texts(results: list[dict]) -> list[str]:
-    from pd_cluster import LLM, SamplingParams
-    from pd_cluster.default_model import default_model_path
-    llm = LLM(default_model_path(), kv_cache_memory_gb=0.25)
-    return [o.outputs[0].text for o in llm.generate(
-        [r["ids"] for r in results],
-        [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
-         for r in results])]
+@pytest.fixture(scope="module")
+def colocated(default_model_dir: str):
+    """The offline engine that every served greedy output is compared with (loaded once)."""
+    from pd_cluster import LLM
+    return LLM(default_model_dir, kv_cache_memory_gb=0.25)
 
 
-def test_pools_follow_a_shifting_load_with_role_flips(server: str):
+def colocated_texts(llm, results: list[dict]) -> list[str]:
+    """The offline engine's greedy text for each result's request (each distinct one run once)."""
+    from pd_cluster import SamplingParams
+    keys = list(dict.fromkeys((tuple(r["ids"]), r["max_tokens"]) for r in results))
+    outputs = llm.generate([list(ids) for ids, _ in keys],
+                           [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                            for _, n in keys])
+    text = {key: o.outputs[0].text for key, o in zip(keys, outputs)}
+    return [text[(tuple(r["ids"]), r["max_tokens"])] for r in results]
+
+
+def test_pools_follow_a_shifting_load_with_role_flips(server: str, colocated):
     began = time.monotonic()
     decode_heavy = drive(server, DECODE_HEAVY, 0, lambda t: t.get("decode", 0) >= 3, PHASE_S)
     after_decode_heavy, first_s = targets(server), time.monotonic() - began
@@ -137,7 +151,8 @@ def test_pools_follow_a_shifting_load_with_role_flips(server: str):
     second_s = time.monotonic() - began - first_s
     log = planner_log()
     changes = controller().role_changes.remote().result(timeout_s=30)
-    print(json.dumps({"switch_seconds": [round(c.seconds, 3) for c in changes],"decode_heavy": {"seconds": round(first_s, 1),
+    print(json.dumps({"switch_seconds": [round(c.seconds, 3) for c in changes],
+                      "decode_heavy": {"seconds": round(first_s, 1),
                                        "requests": len(decode_heavy)},
                       "prompt_heavy": {"seconds": round(second_s, 1),
                                        "requests": len(prompt_heavy)},
@@ -171,10 +186,10 @@ def test_pools_follow_a_shifting_load_with_role_flips(server: str):
     assert counts["flip_to_decode"] >= 1 and counts["flip_to_prefill"] >= 1, counts
     assert counts["hold"] >= 1
 
-    assert [r["text"] for r in results] == colocated_texts(results)
+    assert [r["text"] for r in results] == colocated_texts(colocated, results)
 
 
-def test_removing_a_prefill_replica_while_requests_stream_fails_none(server: str):
+def test_removing_a_prefill_replica_while_requests_stream_fails_none(server: str, colocated):
     prefill = [r for r in health(server)[1]["pools"]["prefill"]["replicas"]
                if r["state"] == "ready"]
     assert len(prefill) >= 2, prefill
@@ -195,4 +210,4 @@ def test_removing_a_prefill_replica_while_requests_stream_fails_none(server: str
     states = {(m.role, m.replica_id): str(m.state) for m in membership.members}
     assert states[("prefill", victim)] == "retired"
     assert targets(server)["prefill"] == len(prefill) - 1
-    assert [r["text"] for r in results] == colocated_texts(results)
+    assert [r["text"] for r in results] == colocated_texts(colocated, results)

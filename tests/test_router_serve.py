@@ -4,12 +4,11 @@ n > 1, logprobs, usage with cached tokens, the factual answer; 4xx OpenAI errors
 the server serving; 64 concurrent streams of which a quarter disconnect, after which no
 request runs and every KV block is free; /metrics parsed by prometheus_client.
 
-The server starts once for the module (model load included, about a minute on 2 CPUs).
+The server is the session's shared default application (`default_server` in conftest.py).
 """
 from __future__ import annotations
 
 import asyncio
-import os
 
 import httpx2 as httpx
 import openai
@@ -17,24 +16,20 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray")
-from serve_run import serve_run  # noqa: E402
+from serve_run import API_KEY as KEY  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
 # The server takes 20-30 s to start on 2 cores: out of the quick run (-m "not slow").
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
-ARGS_OVERRIDES: dict = {}   # the real configs/pd.yaml: disaggregated, 1 P + 1 D
-KEY_ENV, KEY = "PD_TEST_API_KEY", "sk-router-test"     # auth on, to test a wrong key
 FRANCE = "The capital of France is"
 LEAVER_TOKENS = 4000            # at >= 20 ms per decode step: over 80 s to finish naturally
 IDLE_WITHIN_S = 30
 
 
 @pytest.fixture(scope="module")
-def server():
-    """URL of the real `serve run configs/pd.yaml`, with an API key required."""
-    os.environ[KEY_ENV] = KEY
-    with serve_run({**ARGS_OVERRIDES, "api_key_env": KEY_ENV}) as url:
-        yield url
+def server(default_server: str) -> str:
+    """The session's shared default application (conftest.py), API_KEY required."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

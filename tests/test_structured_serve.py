@@ -6,7 +6,8 @@ always yields a call of that function whose arguments validate; both stream (and
 tool_choice "required"); vLLM's
 guided_choice / guided_regex on completions; an invalid schema is a 400 naming the field.
 
-The server starts once for the module; each batch of 20 runs concurrently (one decode batch).
+The server is the session's shared default application (conftest.py); each batch of 20 runs
+concurrently (one decode batch).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import openai
 import pytest
 
 pytest.importorskip("ray")
-from serve_run import serve_run  # noqa: E402
+from serve_run import API_KEY  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 MAX_TOKENS = 256
@@ -40,9 +41,9 @@ PERSON_FORMAT = {"type": "json_schema",
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_run({}) as url:
-        yield url
+def server(default_server: str) -> str:
+    """The session's shared default application (conftest.py), API_KEY required."""
+    return default_server
 
 
 class Client:
@@ -54,7 +55,7 @@ class Client:
     def run(self, calls):
         """The results of `calls(client)` (a list of coroutines), run concurrently."""
         async def go():
-            async with openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none",
+            async with openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY,
                                           max_retries=0, timeout=600) as client:
                 return await asyncio.gather(*calls(client))
         return asyncio.run(go())

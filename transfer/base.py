@@ -47,10 +47,15 @@ from transfer.runs import Copy, shard_copies
 from transfer.shards import Segment, check_shards, head_sources, outside, starts
 from transfer.state import LayoutMismatchError, Role, Transfer, TransferError, TransferState
 
-__all__ = ["KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferError",
+__all__ = ["LEASE_S", "KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferError",
            "TransferState"]
 
 log = logging.getLogger(__name__)
+
+
+# How long a transfer's peer may stay silent (no renewal) before the transfer expires; a
+# receiver also fences the blocks a dead sender may still write for this long (plus a margin).
+LEASE_S = 10.0
 
 
 class KVTransport(ABC):
@@ -58,7 +63,8 @@ class KVTransport(ABC):
 
     backend: ClassVar[str]
 
-    def __init__(self, name: str | None = None, *, timeout_s: float = 30.0, lease_s: float = 10.0):
+    def __init__(self, name: str | None = None, *, timeout_s: float = 30.0,
+                 lease_s: float = LEASE_S):
         self.name = name or f"{self.backend}-{uuid.uuid4().hex[:12]}"
         self.timeout_s, self.lease_s = timeout_s, lease_s
         # After register: the shards (tensors, their layouts, each one's first virtual byte and
