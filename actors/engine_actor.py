@@ -35,7 +35,7 @@ from kernels import compiles
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.sampling_params import SamplingParams
-from transfer.base import LEASE_S
+from transfer.state import LEASE_S
 
 
 class RoleState(str, enum.Enum):

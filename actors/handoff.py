@@ -37,7 +37,7 @@ from actors.messages import KVDestination, PooledKV, PrefillResult, PushedKV, Re
 from actors.transport_pump import TransportPump
 from pd_cluster.kv_layout import KVLayout
 from pd_cluster.outputs import RequestOutput
-from transfer.base import LEASE_S
+from transfer.state import LEASE_S
 from transfer.messages import KVDescriptor
 from transfer.registry import make_transport
 

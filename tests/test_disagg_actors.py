@@ -21,7 +21,8 @@ from actors.handoff import PushHandoff  # noqa: E402
 from actors.kv_push import QUARANTINE_MARGIN_S  # noqa: E402
 from router.disagg_client import DisaggregatedClient  # noqa: E402
 from router.errors import EngineUnavailable  # noqa: E402
-from transfer.base import LEASE_S, TransferError  # noqa: E402
+from transfer.base import TransferError  # noqa: E402
+from transfer.state import LEASE_S  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

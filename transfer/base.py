@@ -45,17 +45,13 @@ from transfer.drain import Drain, DrainedNotice, DrainState
 from transfer.messages import KVDescriptor, KVShard, Message, MessageError, MsgKind
 from transfer.runs import Copy, shard_copies
 from transfer.shards import Segment, check_shards, head_sources, outside, starts
-from transfer.state import LayoutMismatchError, Role, Transfer, TransferError, TransferState
+from transfer.state import (LEASE_S, LayoutMismatchError, Role, Transfer, TransferError,
+                            TransferState)
 
-__all__ = ["LEASE_S", "KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferError",
+__all__ = ["KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferError",
            "TransferState"]
 
 log = logging.getLogger(__name__)
-
-
-# How long a transfer's peer may stay silent (no renewal) before the transfer expires; a
-# receiver also fences the blocks a dead sender may still write for this long (plus a margin).
-LEASE_S = 10.0
 
 
 class KVTransport(ABC):

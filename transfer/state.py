@@ -5,6 +5,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+# How long a transfer's peer may stay silent (no renewal) before the transfer expires; a
+# receiver also fences the blocks a dead sender may still write for this long (plus a margin).
+LEASE_S = 10.0
+
 
 class TransferError(RuntimeError):
     """A transfer did not complete; the message says why and with which peer."""
