@@ -64,7 +64,7 @@ def _decode_stage1_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    KV_SCALED: tl.constexpr, V_PTX: tl.constexpr, WORDS: tl.constexpr = 0,
+    KV_SCALED: tl.constexpr, V_PTX: tl.constexpr,
 ):
     """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
     PartialLse is unused; stride_ps is 0."""
@@ -92,8 +92,7 @@ def _decode_stage1_kernel(
     acc, m_i, l_i = attend_paged_range(
         acc, m_i, l_i, q, offs_h, KCache, VCache, BlockTables + seq * stride_bt,
         kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
-        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX,
-        WORDS=WORDS)
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX)
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
     out = acc / l_i[:, None] * v_scale
     tl.store(part + offs_d[None, :], out.to(PartialOut.dtype.element_ty),
@@ -169,7 +168,7 @@ def decode_attention(
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int = 4, num_stages: int = 3, kv_scale: torch.Tensor | None = None,
-    maxnreg: int | None = None, words: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single query token to its paged context (module docstring).
 
@@ -195,9 +194,7 @@ def decode_attention(
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
                 BLOCK_N=block_n, KV_SCALED=kv_scale is not None,
-                V_PTX=kv_scale is not None and widen_by_ptx(q.device),
-                WORDS=(2 if kv_scale is not None and widen_by_ptx(q.device) and head_dim == block_d
-                       else 0) if words is None else words, num_warps=num_warps,
+                V_PTX=kv_scale is not None and widen_by_ptx(q.device), num_warps=num_warps,
                 num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     stage1 = functools.partial(
         _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,

@@ -110,29 +110,10 @@ def widen_e4m3(x, PTX: tl.constexpr):
 
 
 @triton.jit
-def load_widened_e4m3(Cache, rows, mask_n, BLOCK_D: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] float16 from the e4m3 rows at byte offsets `rows` [BLOCK_N] (whole
-    rows: BLOCK_D is the head_dim). Loaded as int32 words, four e4m3 each, and widened by two
-    cvt.rn.f16x2.e4m3x2 per word in inline PTX (sm89+)."""
-    words = Cache.to(tl.pointer_type(tl.int32), bitcast=True)
-    offs_w = tl.arange(0, BLOCK_D // 4)
-    w = tl.load(words + (rows // 4)[:, None] + offs_w[None, :], mask=mask_n[:, None], other=0)
-    b0, b1, b2, b3 = tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
-        "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
-        "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-        "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=False, pack=1)
-    x = tl.join(tl.join(b0, b1), tl.join(b2, b3))     # [BLOCK_N, BLOCK_D / 4, 2, 2]
-    return tl.reshape(x, [rows.shape[0], BLOCK_D])
-
-
-@triton.jit
 def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset,
                        start, end, qk_scale, stride_block, stride_slot, offs_d, mask_d,
                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr,
-                       CAUSAL: tl.constexpr, V_PTX: tl.constexpr = False,
-                       WORDS: tl.constexpr = 0):
+                       CAUSAL: tl.constexpr, V_PTX: tl.constexpr = False):
     """Online-softmax attention of q [M, BLOCK_D] to positions [start, end) of one sequence.
 
     acc [M, BLOCK_D] (unnormalised output), m_i [M] (running max), l_i [M] (running sum)
@@ -151,18 +132,12 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
         kv_mask = mask_n[:, None] & mask_d[None, :]
         # .to(q.dtype): fp8 tiles widened for tl.dot (callers pass q as float16 then, see
         # dot_dtype); a no-op for a cache in q's dtype.
-        if WORDS == 2:
-            k = load_widened_e4m3(KCache, rows, mask_n, offs_d.shape[0])
+        k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
+        if V_PTX:
+            v = widen_e4m3(v, True)
         else:
-            k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        if WORDS >= 1:
-            v = load_widened_e4m3(VCache, rows, mask_n, offs_d.shape[0])
-        else:
-            v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
-            if V_PTX:
-                v = widen_e4m3(v, True)
-            else:
-                v = v.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         if BOUNDS:
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
