@@ -1,11 +1,14 @@
 """Diagnostics for decode attention over an FP8 cache (H100): where the time goes.
 
-    PYTHONPATH=. python bench/attn_diag.py [--occupancy]
+    PYTHONPATH=. python bench/attn_diag.py [--occupancy | --parallel | --rule]
 
 Prints JSON: torch's read bandwidth at the same byte counts, the load-only floor across
 contexts (fixed cost per call), the shipped kernel across split counts, and a CUDA-graph
 chain of 32 calls (a decode step's attention) against 32 eager calls. --occupancy instead
-sweeps the shipped kernel's warps x register cap x stages x tile at four batch shapes.
+sweeps the shipped kernel's warps x register cap x stages x tile at four batch shapes;
+--parallel sweeps splits x stages x warps x tile (smaller programs, more of them per SM);
+--rule times the launcher's fp8 choice against the 4-warp one before it, batch 8-256 x
+context 128-4096, sized as the engine's CUDA graphs size it (max_seq_len 4096).
 """
 from __future__ import annotations
 
@@ -20,9 +23,14 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_fp8_variants import load_only  # noqa: E402
-from kernels.decode_attention import decode_attention, _decode_stage1_kernel  # noqa: E402
+from kernels.decode_attention import (_decode_stage1_kernel, choose_num_splits,  # noqa: E402
+                                      decode_attention)
 
 H, KVH, D, BLK = 32, 8, 128, 16
+# --parallel's grid (the first H200 sweep, bench/results/attn_diag_parallel_h200.json, also
+# tried 4 warps, 64-token tiles and 1 stage: the fastest settings were 1 warp, 32 tokens)
+PARALLEL_CASES = ((64, 1024), (128, 1024), (256, 1024), (64, 2048), (128, 2048), (256, 2048))
+SPLITS, STAGES, WARPS, TILES = (1, 2, 3, 4), (2, 3, 4), (1, 2), (16, 32)
 
 
 def cache(batch, context):
@@ -52,6 +60,51 @@ def main() -> None:
             ms = triton.testing.do_bench(lambda: load_only(k, v, table, lens, words, block_n=bn))
             res["load_only"].append({"batch": 64, "context": ctx, "block_n": bn, "us": ms * 1e3,
                                      "GBps": 2 * k.numel() / ms / 1e6})
+    if "--rule" in sys.argv:    # the launcher's fp8 choice against the one before it
+        # As the engine's CUDA graphs launch it: splits sized for max_model_len (4096), not
+        # for the step's contexts; each setting timed twice, alternating.
+        res["rule"] = []
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        graph_len = 4096
+        for batch, ctx in itertools.product((8, 16, 32, 64, 128, 256),
+                                            (128, 256, 512, 1024, 2048, 4096)):
+            if batch * ctx > 256 * 4096:
+                continue
+            q, k, v, table, lens = cache(batch, ctx)
+            table = torch.nn.functional.pad(table, (0, graph_len // BLK - table.shape[1]))
+            out = torch.empty_like(q)
+            splits = choose_num_splits(batch * KVH, graph_len, sms)
+            before = dict(num_splits=splits, num_warps=4,
+                          block_n=128 if batch * KVH * splits > 4 * sms else 64)
+            row = {"batch": batch, "context": ctx, "max_seq_len": graph_len, "before": before}
+            for name, knobs in (("now", {}), ("before", before)) * 2:
+                ms = triton.testing.do_bench(lambda: decode_attention(
+                    q, k, v, table, lens, D ** -0.5, graph_len, out=out, kv_scale=scale,
+                    **knobs))
+                row.setdefault(name + "_us", []).append(ms * 1e3)
+            res["rule"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        print(json.dumps(res, indent=1))
+        return
+    if "--parallel" in sys.argv:     # more, smaller programs resident per SM
+        res["parallel"] = []
+        grid = [{}] + [dict(num_splits=sp, num_stages=st, num_warps=w, block_n=bn)
+                       for sp, st, w, bn in itertools.product(SPLITS, STAGES, WARPS, TILES)]
+        for batch, ctx in PARALLEL_CASES:
+            q, k, v, table, lens = cache(batch, ctx)
+            out = torch.empty_like(q)
+            for knobs in grid:
+                try:
+                    ms = triton.testing.do_bench(lambda: decode_attention(
+                        q, k, v, table, lens, D ** -0.5, ctx, out=out, kv_scale=scale, **knobs))
+                except Exception as e:      # a setting Triton cannot compile: say so
+                    res["parallel"].append({"batch": batch, "context": ctx, **knobs,
+                                            "error": repr(e)[:200]})
+                    continue
+                res["parallel"].append({"batch": batch, "context": ctx, **knobs,
+                                        "us": ms * 1e3, "GBps": 2 * k.numel() / ms / 1e6})
+        print(json.dumps(res, indent=1))
+        return
     if "--occupancy" in sys.argv:    # registers and warps against programs per SM
         res["occupancy"] = []
         for batch, ctx in ((64, 1024), (128, 1024), (256, 1024), (64, 2048)):

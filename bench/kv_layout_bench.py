@@ -29,7 +29,12 @@ H, KVH, D, BLK = 32, 8, 128, 16
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="64x1024,128x1024,256x1024,64x2048,128x2048,256x2048")
+    ap.add_argument("--page-sizes", default="",
+                    help="instead: the NHD cache with blocks in order re-viewed as pages of "
+                    "these many tokens (the same bytes, fewer block-table lookups per tile)")
     args = ap.parse_args()
+    if args.page_sizes:
+        return pages(args)
     rows = []
     scale = torch.tensor([0.05, 0.05], device="cuda")
     for batch, ctx in (tuple(map(int, c.split("x"))) for c in args.cases.split(",")):
@@ -76,6 +81,41 @@ def main() -> None:
                            "order": order, **knobs, "us": ms * 1e3, "GBps": nbytes / ms / 1e6, "err": err}
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
+            k = v = None
+            torch.cuda.empty_cache()
+    print(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+                      "rows": rows}, indent=1))
+
+
+def pages(args) -> None:
+    """Default knobs (and 128-token tiles) per page size, fp8 and bf16, blocks in order."""
+    rows = []
+    scale = torch.tensor([0.05, 0.05], device="cuda")
+    for batch, ctx in (tuple(map(int, c.split("x"))) for c in args.cases.split(",")):
+        q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        for dtype in ("fp8", "bf16"):
+            k = torch.randn(batch * ctx, KVH, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            if dtype == "fp8":
+                k, v = (k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn)
+            kvs = scale if dtype == "fp8" else None
+            nbytes = 2 * k.numel() * k.element_size()
+            ref = None
+            for page in [BLK] + [int(p) for p in args.page_sizes.split(",")]:
+                kp, vp = k.view(-1, page, KVH, D), v.view(-1, page, KVH, D)
+                table = torch.arange(kp.shape[0], device="cuda", dtype=torch.int32)
+                table = table.view(batch, -1)
+                for knobs in ({}, {"block_n": 128}, {"num_warps": 8}):
+                    ms = triton.testing.do_bench(lambda: decode_attention(
+                        q, kp, vp, table, lens, D ** -0.5, ctx, out=out, kv_scale=kvs,
+                        **knobs))
+                    ref = out.clone() if ref is None else ref
+                    rows.append({"batch": batch, "context": ctx, "dtype": dtype, "page": page,
+                                 **knobs, "us": ms * 1e3, "GBps": nbytes / ms / 1e6,
+                                 "err": float((out.float() - ref.float()).abs().max())})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             k = v = None
             torch.cuda.empty_cache()
     print(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,

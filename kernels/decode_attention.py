@@ -4,7 +4,8 @@
     k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]   (same strides)
     block_tables  [B, max_blocks_per_seq] int32
     seq_lens      [B] int32: context length including the new token (>= 1)
-    out           [B, num_heads, head_dim]
+    out           [B, num_heads, head_dim], q's dtype; or float8_e4m3fn with an fp8 cache: the
+                  values / V's scale, the FP8 o projection's input (kernels/paged.py)
     kv_scale      [2] float32 (K scale, V scale) when the caches are float8_e4m3fn (values =
                   fp8 * scale), else None (caches in q's dtype)
 
@@ -33,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged import (attend_paged_range, check_kv_dtype, dot_dtype, load_kv_scales,
-                           widen_by_ptx)
+from kernels.paged import (FP8_MAX, attend_paged_range, check_kv_dtype, check_out_dtype,
+                           dot_dtype, finish_output, load_kv_scales, widen_by_ptx)
 
 # Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
 # 128, bench sweeps): KV bandwidth saturates once about 3.5 stage-1 programs per SM are in
@@ -64,10 +65,11 @@ def _decode_stage1_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    KV_SCALED: tl.constexpr, V_PTX: tl.constexpr,
+    KV_SCALED: tl.constexpr, V_PTX: tl.constexpr, OUT_FP8: tl.constexpr,
 ):
     """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
-    PartialLse is unused; stride_ps is 0."""
+    PartialLse is unused; stride_ps is 0. OUT_FP8: the output is fp8 in V's units
+    (kernels/paged.py finish_output); split partials are then in V's units too."""
     # KV heads vary fastest across programs: the group of programs that runs together reads
     # all heads of the same blocks, whose rows lie side by side in memory.
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -94,7 +96,9 @@ def _decode_stage1_kernel(
         kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
         PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX)
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-    out = acc / l_i[:, None] * v_scale
+    out = acc / l_i[:, None]
+    if DIRECT or not OUT_FP8:       # split fp8 partials are clamped once merged (stage 2)
+        out = finish_output(out, v_scale, OUT_FP8)
     tl.store(part + offs_d[None, :], out.to(PartialOut.dtype.element_ty),
              mask=mask_h[:, None] & mask_d[None, :])
     if not DIRECT:
@@ -109,6 +113,7 @@ def _decode_stage2_kernel(
     PartialOut, PartialLse, SeqLens, Out, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    OUT_FP8: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(SeqLens + seq)
@@ -128,8 +133,11 @@ def _decode_stage2_kernel(
         acc = acc * alpha + weight * tl.load(part + split * stride_ps, mask=mask_d, other=0.0)
         total = total * alpha + weight
         m = m_new
+    out = acc / total
+    if OUT_FP8:     # the partials are in V's units (stage 1); see finish_output
+        out = tl.minimum(tl.maximum(out, -FP8_MAX), FP8_MAX)
     tl.store(Out + seq * stride_ob + head * stride_oh + offs_d,
-             (acc / total).to(Out.dtype.element_ty), mask=mask_d)
+             out.to(Out.dtype.element_ty), mask=mask_d)
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,16 +155,37 @@ def choose_num_splits(seq_heads: int, max_seq_len: int, num_sms: int) -> int:
     return max(1, min(wanted, worthwhile, MAX_SPLITS))
 
 
-def _block_n(head_dim: int, fp8: bool, programs: int, num_sms: int) -> int:
-    """Tokens per K/V tile. 16-bit: 64 (32 past head_dim 128, for registers). An fp8 tile of
-    128 tokens holds the bytes of a 16-bit tile of 64, and once V is widened in registers
-    (kernels/paged.py) 128 is the faster on an H200 while more than ~4 programs per SM queue
-    up, 64 below that, where each program's chain of tiles is the critical path (1k context:
-    187 against 205 us at batch 256, 101 / 108 at 128, 66 / 59 at 64;
-    bench/decode_fp8_variants.py `v_asm`). An H100 agrees at 256 (217 / 221 us) and 64
-    (66 / 74-87) but not at 128 (122 / 118: bench/results/attn_diag_occupancy_h100x1.json);
-    the rule follows the H200."""
-    if head_dim > 128:
+# From this many sequence-heads (batch x KV heads) an fp8 decode runs one-warp programs.
+ONE_WARP_MIN_SEQ_HEADS = 1024
+
+
+def one_warp(head_dim: int, fp8: bool, seq_heads: int) -> bool:
+    """Whether an fp8 decode runs one-warp programs over 32-token tiles instead of 4-warp
+    programs over 64/128 tokens.
+
+    The fp8 kernel does not reach the bytes' bandwidth (2.2-3.0 TB/s on an H200 where the
+    same kernel reads bf16 at 3.5-4.4, whatever the KV layout, page size or tile:
+    bench/results/kv_layout_h200.json, kv_pages_h200.json); more, smaller programs hide more
+    of each one's latency. With at least 1024 sequence-heads (batch 128 at 8 KV heads) that
+    wins at every context measured: 0.86-0.95x the 4-warp time from 128 to 4096 tokens at
+    batch 128 and 256, launched as the CUDA graphs launch it (bench/attn_diag.py --rule,
+    attn_diag_rule_graph_h200.json). Below that the GPU needs splits to fill, and the graphs
+    size them for max_model_len, not for the step's contexts: at batch 64 one-warp programs
+    in two splits win from 1k tokens up (0.87-0.96x) but lose at 128-512 (1.04-1.74x), so
+    smaller batches keep the 4-warp programs."""
+    return fp8 and head_dim <= 128 and seq_heads >= ONE_WARP_MIN_SEQ_HEADS
+
+
+def _block_n(head_dim: int, fp8: bool, single_warp: bool, programs: int, num_sms: int) -> int:
+    """Tokens per K/V tile. 16-bit: 64 (32 past head_dim 128, for registers). One-warp fp8
+    programs: 32. Otherwise an fp8 tile of 128 tokens holds the bytes of a 16-bit tile of
+    64, and once V is widened in registers (kernels/paged.py) 128 is the faster on an H200
+    while more than ~4 programs per SM queue up, 64 below that, where each program's chain
+    of tiles is the critical path (1k context: 187 against 205 us at batch 256, 101 / 108 at
+    128, 66 / 59 at 64; bench/decode_fp8_variants.py `v_asm`). An H100 agrees at 256
+    (217 / 221 us) and 64 (66 / 74-87) but not at 128 (122 / 118:
+    bench/results/attn_diag_occupancy_h100x1.json); the rule follows the H200."""
+    if head_dim > 128 or single_warp:
         return 32
     if not fp8:
         return 64
@@ -167,7 +196,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 3, kv_scale: torch.Tensor | None = None,
+    num_warps: int | None = None, num_stages: int = 3, kv_scale: torch.Tensor | None = None,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single query token to its paged context (module docstring).
@@ -184,17 +213,21 @@ def decode_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     check_kv_dtype(q, k_cache, kv_scale)
+    out_fp8 = check_out_dtype(out, kv_scale)
+    fp8, sms = kv_scale is not None, _num_sms(q.device)
+    single = one_warp(head_dim, fp8, batch * num_kv_heads)
     if num_splits is None:
         max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, _num_sms(q.device))
-    block_n = block_n or _block_n(head_dim, kv_scale is not None,
-                                  batch * num_kv_heads * num_splits, _num_sms(q.device))
+        num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, sms)
+    block_n = block_n or _block_n(head_dim, fp8, single, batch * num_kv_heads * num_splits, sms)
+    num_warps = num_warps or (1 if single else 4)
     block_d = triton.next_power_of_2(head_dim)
     group = num_heads // num_kv_heads
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
                 BLOCK_N=block_n, KV_SCALED=kv_scale is not None,
-                V_PTX=kv_scale is not None and widen_by_ptx(q.device), num_warps=num_warps,
+                V_PTX=kv_scale is not None and widen_by_ptx(q.device), OUT_FP8=out_fp8,
+                num_warps=num_warps,
                 num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     stage1 = functools.partial(
         _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,
@@ -215,5 +248,5 @@ def decode_attention(
     _decode_stage2_kernel[(batch, num_heads)](
         partial_out, partial_lse, seq_lens, out, num_splits,
         *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, OUT_FP8=out_fp8, num_warps=4)
     return out

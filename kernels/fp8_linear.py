@@ -3,7 +3,8 @@ streamed once from memory, as kernels/linear.py streams a 16-bit one.
 
     xq       [M, K]  float8_e4m3fn, unit stride on K; x quantized per token (kernels/fp8_quant,
                      or fused into the RMSNorm / SiLU-and-mul that produced it)
-    x_scale  [M, 1]  float32                          x ~ xq * x_scale
+    x_scale  [M, 1]  float32                          x ~ xq * x_scale (may be one scale
+                     expanded over the rows: stride 0, as the attention's fp8 output has)
     w8       [N, K]  float8_e4m3fn, contiguous        w ~ w8 * w_scale[:, None]
     w_scale  [N]     float32, one scale per output row
     y        [M, N]  out_dtype: (xq @ w8.T) * x_scale * w_scale[None, :]
@@ -66,15 +67,15 @@ def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
     m, k = xq.shape
     n = w8.shape[0]
     assert xq.dtype == w8.dtype == FP8 and xq.stride(-1) == 1 and w8.is_contiguous()
-    assert w8.shape[1] == k and x_scale.shape == (m, 1) and x_scale.is_contiguous()
+    assert w8.shape[1] == k and x_scale.shape == (m, 1)
     default_n, default_k, default_stages = tiles(m, n, k)
     block_n, block_k = block_n or default_n, block_k or default_k
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](xq, w8, y, m, n, k, xq.stride(0), w8.stride(0), y.stride(0), x_scale,
-                         w_scale, SCALED=True, BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_K=block_k, num_warps=num_warps,
+                         x_scale.stride(0), w_scale, SCALED=True, BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
                          num_stages=num_stages or default_stages)
     return y
 

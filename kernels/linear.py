@@ -30,11 +30,12 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, XS, WS,
+def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, XS, stride_xs, WS,
                    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    """SCALED: x and w are FP8 with per-row scales XS [M] and WS [N] (kernels/fp8_linear.py),
-    applied once to the float32 accumulator."""
+    """SCALED: x and w are FP8 with per-row scales XS [M] (stride_xs apart: 0 for one scale
+    shared by every row) and WS [N] (kernels/fp8_linear.py), applied once to the float32
+    accumulator."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,7 +50,7 @@ def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, XS, WS,
         w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
     if SCALED:
-        x_scale = tl.load(XS + offs_m, mask=mask_m, other=0.0)
+        x_scale = tl.load(XS + offs_m * stride_xs, mask=mask_m, other=0.0)
         w_scale = tl.load(WS + offs_n, mask=mask_n, other=0.0)
         acc = acc * x_scale[:, None] * w_scale[None, :]
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -73,7 +74,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, block_n: int | None = None,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     # Unscaled: the scale pointers are never read; x stands in.
-    _linear_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), x, x,
+    _linear_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), x, 0, x,
                          SCALED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          num_warps=4, num_stages=num_stages)
     return y

@@ -12,7 +12,9 @@ Softmax runs in base 2: callers fold log2(e) into `qk_scale`, and log-sum-exps a
 An fp8 (e4m3) cache holds value / scale, one K and one V scale per layer. Tiles are read as
 fp8 and widened to q's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value), and
 the scales are applied once per program by the callers: K's folded into `qk_scale` (scores
-and softmax stay fp32), V's multiplied into the finished output (`load_kv_scales`).
+and softmax stay fp32), V's multiplied into the finished output (`load_kv_scales`), unless
+the output is itself fp8 (`finish_output`: the FP8 o projection's input, with V's scale as
+its per-token scale, so no quantization kernel runs between attention and that GEMM).
 Measured on an H100 (bf16 q, 32 heads, 8 KV heads, head_dim 128, block 16): decode over fp8
 KV took 339 / 293 / 184 us against bf16's 364 / 372 / 190 us at 64 x 4096, 256 x 1024 and
 8 x 16384 tokens of context: half the bytes, but not half the time (bf16 already ran at
@@ -63,6 +65,28 @@ def widen_by_ptx(device: torch.device) -> bool:
     """Whether kernels on `device` may widen e4m3 by PTX (`widen_e4m3`): a CUDA GPU of
     compute capability 8.9 or later, where the instruction exists."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_out_dtype(out: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """A launcher's check of its `out`: True for an fp8 output (`finish_output`), which only an
+    fp8 cache can give (the values are in V's units)."""
+    fp8_out = out.dtype == torch.float8_e4m3fn
+    assert not fp8_out or kv_scale is not None, "an fp8 output needs an fp8 KV cache"
+    return fp8_out
+
+
+@triton.jit
+def finish_output(out, v_scale, OUT_FP8: tl.constexpr):
+    """A finished output tile `out` (acc / l, float32) in its output's units: values (times
+    V's scale), or for an fp8 output, the FP8 o projection's input, V's own units. Each output
+    row is a convex mix of V's e4m3 rows, so it lies within +-448 and the static V scale
+    quantizes it as well as a per-token scale would, with no reduction over the row; the clamp
+    only catches float32 rounding at the edge (torch's cast would turn 448.00003 into NaN)."""
+    if OUT_FP8:
+        out = tl.minimum(tl.maximum(out, -FP8_MAX), FP8_MAX)
+    else:
+        out = out * v_scale
+    return out
 
 
 @triton.jit

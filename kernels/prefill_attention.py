@@ -5,7 +5,8 @@
     block_tables     [B, max_blocks_per_seq] int32
     seq_lens         [B] int32: context length after this step (cached + new tokens)
     query_start_loc  [B + 1] int32: cumulative query lengths
-    out              [T, num_heads, head_dim]
+    out              [T, num_heads, head_dim], q's dtype; or float8_e4m3fn with an fp8 cache
+                     (values / V's scale: kernels/paged.py finish_output)
     kv_scale         [2] float32 (K scale, V scale) when the caches are float8_e4m3fn (values
                      = fp8 * scale), else None (caches in q's dtype)
 
@@ -28,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged import attend_paged_range, check_kv_dtype, dot_dtype, load_kv_scales
+from kernels.paged import (attend_paged_range, check_kv_dtype, check_out_dtype, dot_dtype,
+                           finish_output, load_kv_scales)
 
 
 # stride_bt (the block table's width: the batch's longest context) changes from step to
@@ -43,7 +45,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_SCALED: tl.constexpr,
+    KV_SCALED: tl.constexpr, OUT_FP8: tl.constexpr,
 ):
     m_block, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(QueryStartLoc + seq)
@@ -78,7 +80,7 @@ def _prefill_kernel(
         qk_scale, stride_cb, stride_cs, offs_d, mask_d,
         PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=True)
     tl.store(Out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             (acc / l_i[:, None] * v_scale).to(Out.dtype.element_ty),
+             finish_output(acc / l_i[:, None], v_scale, OUT_FP8).to(Out.dtype.element_ty),
              mask=mask_m[:, None] & mask_d[None, :])
 
 
@@ -101,6 +103,7 @@ def prefill_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     check_kv_dtype(q, k_cache, kv_scale)
+    out_fp8 = check_out_dtype(out, kv_scale)
     # Large tiles amortise the K/V loads; head_dim 256 halves them to fit shared memory.
     block_m = block_m or (64 if head_dim <= 128 else 32)
     block_n = block_n or (64 if head_dim <= 128 else 32)
@@ -113,5 +116,6 @@ def prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        KV_SCALED=kv_scale is not None, num_warps=num_warps, num_stages=num_stages)
+        KV_SCALED=kv_scale is not None, OUT_FP8=out_fp8, num_warps=num_warps,
+        num_stages=num_stages)
     return out

@@ -142,8 +142,8 @@ class ScaledKVBackend:
         return (k_cache.storage_offset() - self._base) // self._per_layer
 
     def forward(self, q, k, v, positions, rope, k_cache, v_cache, meta, scale,
-                kv_scale: torch.Tensor | None = None):
+                kv_scale: torch.Tensor | None = None, fp8_out: bool = False):
         if kv_scale is None:
             kv_scale = self._rows[self.layer_of(k_cache)]
         return self.backend.forward(q, k, v, positions, rope, k_cache, v_cache, meta, scale,
-                                    kv_scale=kv_scale)
+                                    kv_scale=kv_scale, fp8_out=fp8_out)

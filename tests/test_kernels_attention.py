@@ -12,7 +12,7 @@ INTERPRETED = use_interpreter_without_gpu()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from kernels.decode_attention import choose_num_splits, decode_attention, one_warp  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.reference import decode_attention_ref, paged_attention_ref  # noqa: E402
 
@@ -83,6 +83,13 @@ def test_num_splits_fill_the_gpu_but_stay_long_enough():
     assert choose_num_splits(seq_heads=16 * 8, max_seq_len=300, num_sms=132) == 2
     assert choose_num_splits(seq_heads=4 * 8, max_seq_len=32768, num_sms=132) == 15
     assert choose_num_splits(seq_heads=1 * 8, max_seq_len=32768, num_sms=132) == 58
+
+
+def test_fp8_decode_takes_one_warp_programs_from_1024_sequence_heads():
+    assert one_warp(head_dim=128, fp8=True, seq_heads=128 * 8)
+    assert not one_warp(head_dim=128, fp8=True, seq_heads=64 * 8)      # 4 warps, splits
+    assert not one_warp(head_dim=128, fp8=False, seq_heads=256 * 8)    # 16-bit caches never
+    assert not one_warp(head_dim=256, fp8=True, seq_heads=256 * 8)     # too many registers
 
 
 # (cached prefix, new tokens) per sequence: a fresh prompt, chunks after cached prefixes

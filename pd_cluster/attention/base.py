@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from pd_cluster.models.fp8 import Fp8Activation
     from pd_cluster.models.layers import RotaryEmbedding
 
 
@@ -58,7 +59,11 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     """Applies RoPE to the new q and k, stores the new K/V into the paged cache, then attends
     every query to its context. (RoPE belongs here so that a backend can fuse it with the
-    store: one kernel per layer instead of two.) q may be rotated in place; k is not changed."""
+    store: one kernel per layer instead of two.) q may be rotated in place; k is not changed.
+    With fp8_out and an fp8 cache the output comes as an Fp8Activation [T, num_heads *
+    head_dim]: e4m3 in V's units, V's scale for every row (an attention output is a convex mix
+    of V's rows, so it needs no per-token scale), and no quantization runs before the FP8 o
+    projection. Otherwise, a tensor in q's dtype."""
 
     name: str
 
@@ -74,5 +79,6 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,  # [2] float32 (K, V) of an fp8 cache; else None
-    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+        fp8_out: bool = False,  # an FP8 o projection reads the output (see below)
+    ) -> torch.Tensor | Fp8Activation:      # [T, num_heads, head_dim]
         ...

@@ -1,7 +1,9 @@
 """Pure torch attention over the paged KV cache: the reference that runs on any device.
 
 An fp8 cache (float8_e4m3fn, `kv_scale` = [K scale, V scale] float32) stores value / scale
-saturated to +-448 and is read back as fp8 * scale; the attention itself runs in fp32.
+saturated to +-448 and is read back as fp8 * scale; the attention itself runs in fp32. With
+`fp8_out` the output stays in V's units as e4m3, V's scale its scale: the FP8 o projection's
+input, as the Triton kernels give it.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from pd_cluster.attention.base import AttentionMetadata
 from pd_cluster.kv_scales import quantize
+from pd_cluster.models.fp8 import FP8, FP8_MAX, Fp8Activation
 
 
 def _stored(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -41,11 +44,15 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float,
-                              kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              kv_scale: torch.Tensor | None = None,
+                              fp8_out: bool = False) -> torch.Tensor:
     """Causal attention of every query token to its sequence's cached context, in fp32 (an
-    fp8 cache read as fp8 * its scale)."""
+    fp8 cache read as fp8 * its scale). fp8_out (an fp8 cache): the output as e4m3 in V's
+    units, V read unscaled, as the kernels write it (kernels/paged.py finish_output)."""
     k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
-    out = torch.empty_like(q)
+    if fp8_out:
+        v_scale = None
+    out = torch.empty(q.shape, dtype=FP8 if fp8_out else q.dtype, device=q.device)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     for i in range(meta.num_seqs):
@@ -58,7 +65,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        out[start:end] = o.clamp(-FP8_MAX, FP8_MAX).to(FP8) if fp8_out else o.to(q.dtype)
     return out
 
 
@@ -68,7 +76,11 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q, k, v, positions, rope, k_cache, v_cache, meta: AttentionMetadata,
-                scale: float, kv_scale: torch.Tensor | None = None):
+                scale: float, kv_scale: torch.Tensor | None = None, fp8_out: bool = False):
         q, k = rope(positions, q, k)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, kv_scale)
+        quantized = fp8_out and kv_scale is not None
+        out = paged_attention_reference(q, k_cache, v_cache, meta, scale, kv_scale, quantized)
+        if quantized:
+            return Fp8Activation.shared(out.view(q.shape[0], -1), kv_scale[1], q.dtype)
+        return out

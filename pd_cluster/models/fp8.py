@@ -12,7 +12,8 @@ On CUDA the GEMM runs on the FP8 tensor cores: kernels/fp8_linear.py's Triton ke
 decode-sized shapes it is faster at, else `torch._scaled_mm` with row-wise scales (scale_a
 x_scale [T, 1], scale_b w_scale [1, N]). x is quantized by the Triton kernel of
 kernels/fp8_quant.py, or arrives quantized (`Fp8Activation`) from the RMSNorm or
-SiLU-and-mul kernel that produced it. Row-wise scales need sm89+ (Ada, Hopper), and _scaled_mm refuses K or N
+SiLU-and-mul kernel that produced it, or from the attention over an fp8 KV cache (the o
+projection's input, scaled by V's scale: kernels/paged.py finish_output). Row-wise scales need sm89+ (Ada, Hopper), and _scaled_mm refuses K or N
 not a multiple of 16 (seen on an H100, torch 2.11): older GPUs, and layers of such shapes
 (none in real Llama-family models; the tiny test models' dims are multiples of 16 too), take
 the float32 path below, on the GPU, rather than padding: slower, but only where it is rare.
@@ -71,10 +72,11 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True, slots=True)
 class Fp8Activation:
-    """An activation already quantized per token by the op that produced it (the FP8 layers'
-    RMSNorms and SiLU-and-mul, `pd_cluster.models.ops`), so the GEMM reading it launches no
-    quant of its own: xq [..., K] e4m3, scale [..., 1] float32, dtype the activation's (and
-    the GEMM output's) own. The same values `quantize_per_token` gives the unquantized x."""
+    """An activation already quantized by the op that produced it, so the GEMM reading it
+    launches no quant of its own: xq [..., K] e4m3, scale [..., 1] float32, dtype the
+    activation's (and the GEMM output's) own. The FP8 layers' RMSNorms and SiLU-and-mul
+    (`pd_cluster.models.ops`) quantize per token, as `quantize_per_token` would; attention over
+    an fp8 KV cache gives its output in V's units with V's scale for every row (`shared`)."""
 
     xq: torch.Tensor
     scale: torch.Tensor
@@ -83,6 +85,12 @@ class Fp8Activation:
     @property
     def shape(self) -> torch.Size:
         return self.xq.shape
+
+    @staticmethod
+    def shared(xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> "Fp8Activation":
+        """xq [T, K] whose rows share one scale, a 1-element float32 tensor (expanded, not
+        copied: a CUDA graph reads its value at replay)."""
+        return Fp8Activation(xq, scale.reshape(1, 1).expand(xq.shape[0], 1), dtype)
 
     @staticmethod
     def of(x: torch.Tensor) -> "Fp8Activation":
@@ -105,7 +113,9 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, w8: torch.Tensor, w_scale: torch
         # Decode-sized batches: a Triton kernel that streams w8 faster than cuBLAS there.
         y = small.fp8_linear_small(xq, x_scale, w8, w_scale, act.dtype)
     elif gpu and k % 16 == 0 and n % 16 == 0:
-        y = torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w_scale.view(1, n),
+        # contiguous(): an attention output's scale is one value expanded over the rows
+        y = torch._scaled_mm(xq, w8.t(), scale_a=x_scale.contiguous(),
+                             scale_b=w_scale.view(1, n),
                              out_dtype=act.dtype)
     else:
         # The exact math in float32 (the CPU path, and GPUs or shapes _scaled_mm cannot take).

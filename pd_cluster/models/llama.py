@@ -24,7 +24,7 @@ from torch import nn
 from pd_cluster.config import ModelConfig
 from pd_cluster.distributed import check_tp, get_tp
 from pd_cluster.forward_context import ForwardContext
-from pd_cluster.models.fp8 import FP8
+from pd_cluster.models.fp8 import FP8, Fp8Activation
 from pd_cluster.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pd_cluster.models.parallel import (ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, default_weight_loader)
@@ -59,8 +59,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         kv = ctx.kv_cache[self.layer_idx]
-        o = ctx.backend.forward(q, k, v, positions, rope, kv[0], kv[1], ctx.attn, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        # An FP8 o projection over an fp8 cache takes the attention's own e4m3 output.
+        o = ctx.backend.forward(q, k, v, positions, rope, kv[0], kv[1], ctx.attn, self.scale,
+                                fp8_out=self.o_proj.fp8)
+        return self.o_proj(o if isinstance(o, Fp8Activation) else o.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
