@@ -10,6 +10,7 @@ time spent in `engine.step()`, and the ten kernels with the most time. With asyn
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -32,11 +33,15 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="async_scheduling off")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--gc-off", action="store_true",
+                    help="Python's garbage collector off once the engine is built")
     args = ap.parse_args()
     llm = LLM(dummy_model_dir(), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, max_model_len=4096,
               async_scheduling=not args.sync, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
+    if args.gc_off:
+        gc.disable()
     results = [profile_batch(llm.engine, int(b), args.context, args.steps)
                for b in args.batch.split(",")]
     print(json.dumps(results[0] if len(results) == 1 else results, indent=1))
@@ -102,6 +107,7 @@ def idle_gaps(prof, steps: int) -> dict:
             "short_gaps_ms_per_step": sum(short) / steps / 1e3,
             "short_gaps_per_step": len(short) / steps,
             "long_gaps_ms_per_step": sum(g for g, _, _ in long) / steps / 1e3,
+            "longest_gaps_ms": [round(g / 1e3, 3) for g, _, _ in long[:8]],
             "long_gap_pairs_ms_per_step": {k: v / steps / 1e3 for k, v in
                                            sorted(pairs.items(), key=lambda kv: -kv[1])[:12]}}
 
