@@ -147,33 +147,43 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(seq_heads: int, max_seq_len: int, num_sms: int) -> int:
+def choose_num_splits(seq_heads: int, max_seq_len: int, num_sms: int,
+                      programs_per_sm: float = PROGRAMS_PER_SM) -> int:
     """Chunks per sequence for seq_heads = batch x kv_heads stage-1 programs per chunk: the
-    fewest that put PROGRAMS_PER_SM programs on every SM, if the context is long enough."""
-    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / seq_heads)
+    fewest that put `programs_per_sm` programs on every SM, if the context is long enough."""
+    wanted = math.ceil(programs_per_sm * num_sms / seq_heads)
     worthwhile = triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)
     return max(1, min(wanted, worthwhile, MAX_SPLITS))
 
 
-# From this many sequence-heads (batch x KV heads) an fp8 decode runs one-warp programs.
+# One-warp fp8 programs (`one_warp`): from this many sequence-heads (batch x KV heads) at
+# any context, or from ONE_WARP_MIN_SPLIT_HEADS over contexts longer than ONE_WARP_CONTEXT,
+# split so that about FP8_PROGRAMS_PER_SM of them run per SM.
 ONE_WARP_MIN_SEQ_HEADS = 1024
+ONE_WARP_MIN_SPLIT_HEADS = 128
+ONE_WARP_CONTEXT = 1024
+FP8_PROGRAMS_PER_SM = 7.0
 
 
-def one_warp(head_dim: int, fp8: bool, seq_heads: int) -> bool:
+def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool:
     """Whether an fp8 decode runs one-warp programs over 32-token tiles instead of 4-warp
     programs over 64/128 tokens.
 
     The fp8 kernel does not reach the bytes' bandwidth (2.2-3.0 TB/s on an H200 where the
     same kernel reads bf16 at 3.5-4.4, whatever the KV layout, page size or tile:
     bench/results/kv_layout_h200.json, kv_pages_h200.json); more, smaller programs hide more
-    of each one's latency. With at least 1024 sequence-heads (batch 128 at 8 KV heads) that
-    wins at every context measured: 0.86-0.95x the 4-warp time from 128 to 4096 tokens at
-    batch 128 and 256, launched as the CUDA graphs launch it (bench/attn_diag.py --rule,
-    attn_diag_rule_graph_h200.json). Below that the GPU needs splits to fill, and the graphs
-    size them for max_model_len, not for the step's contexts: at batch 64 one-warp programs
-    in two splits win from 1k tokens up (0.87-0.96x) but lose at 128-512 (1.04-1.74x), so
-    smaller batches keep the 4-warp programs."""
-    return fp8 and head_dim <= 128 and seq_heads >= ONE_WARP_MIN_SEQ_HEADS
+    of each one's latency. Measured on an H200 as the CUDA graphs launch it, splits sized
+    for max_model_len 4096 (bench/attn_diag.py --rule, attn_diag_rule_graph_h200.json): with
+    at least 1024 sequence-heads (batch 128 at 8 KV heads, one split) it wins at every
+    context, 0.86-0.95x the 4-warp time from 128 to 4096 tokens. With 128-1023 it needs
+    splits to fill the GPU and wins only over long contexts: 0.85-0.99x from 1k to 4k
+    tokens at batch 16-64, but up to 1.7x slower at 128-512 (64 x 128: 26 against 15 us);
+    pd_cluster/cuda_graphs.py captures short-context graphs apart for that. Below 128 it is
+    level or slower."""
+    if not fp8 or head_dim > 128:
+        return False
+    return seq_heads >= ONE_WARP_MIN_SEQ_HEADS or (
+        seq_heads >= ONE_WARP_MIN_SPLIT_HEADS and max_seq_len > ONE_WARP_CONTEXT)
 
 
 def _block_n(head_dim: int, fp8: bool, single_warp: bool, programs: int, num_sms: int) -> int:
@@ -201,9 +211,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attend each sequence's single query token to its paged context (module docstring).
 
-    max_seq_len (a host int) sizes the split count without a device sync; the tuning knobs
-    num_splits / block_n / num_warps / num_stages / maxnreg (a cap on registers per thread,
-    so more programs fit an SM) default to the launcher's own choice.
+    max_seq_len (a host int) sizes the split count and programs without a device sync; the
+    tuning knobs num_splits / block_n / num_warps / num_stages / maxnreg (a cap on registers
+    per thread, so more programs fit an SM) default to the launcher's own choice.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -215,10 +225,11 @@ def decode_attention(
     check_kv_dtype(q, k_cache, kv_scale)
     out_fp8 = check_out_dtype(out, kv_scale)
     fp8, sms = kv_scale is not None, _num_sms(q.device)
-    single = one_warp(head_dim, fp8, batch * num_kv_heads)
+    max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    single = one_warp(head_dim, fp8, batch * num_kv_heads, max_seq_len)
     if num_splits is None:
-        max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, sms)
+        num_splits = choose_num_splits(batch * num_kv_heads, max_seq_len, sms,
+                                       FP8_PROGRAMS_PER_SM if single else PROGRAMS_PER_SM)
     block_n = block_n or _block_n(head_dim, fp8, single, batch * num_kv_heads * num_splits, sms)
     num_warps = num_warps or (1 if single else 4)
     block_d = triton.next_power_of_2(head_dim)

@@ -1,9 +1,16 @@
-"""CUDA graphs of decode-only forward passes, one per padded batch size.
+"""CUDA graphs of decode-only forward passes, one per padded batch size and context cap.
 
 A decode step of a big model launches a few hundred small kernels; replaying a captured graph
 removes their launch cost. Inputs live in static buffers that every replay reads: the runner
 copies the step's ids, positions, slots, lengths and block tables in, pads the batch up to the
 nearest captured size (padding rows write no KV: slot -1) and replays.
+
+Each batch size is captured twice when max_model_len exceeds SHORT_CONTEXT: for steps whose
+contexts all fit SHORT_CONTEXT tokens, and for the rest. The attention kernels choose their
+programs (split count, warps) at capture from the longest context the graph may see, and one
+choice does not fit both: over an fp8 cache, batches of 16-127 decode long contexts 8-15 %
+faster with one-warp programs in several splits, and short ones up to 1.7x slower
+(kernels/decode_attention.py `one_warp`).
 
 With an fp8 KV cache the backend (pd_cluster/kv_scales.py ScaledKVBackend) passes each layer's
 scales as a view of one device tensor that never changes after load: the graphs capture its
@@ -16,6 +23,14 @@ import torch
 from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
 from pd_cluster.forward_context import ForwardContext
 from pd_cluster.models import ops
+
+
+SHORT_CONTEXT = 1024
+
+
+def context_caps(max_model_len: int) -> list[int]:
+    """The longest context each batch size's graphs are captured for."""
+    return sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -38,29 +53,31 @@ class DecodeGraphs:
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         # The hidden states, in the model's dtype (an fp8 KV cache's dtype is not it).
         self.out = torch.zeros(max_batch, hidden_size, dtype=dtype or kv_cache.dtype, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.caps = context_caps(max_model_len)
         mempool = None
         for bs in sorted(capture_sizes(max_batch), reverse=True):  # largest first: one memory pool
-            ctx = ForwardContext(self._meta(bs), kv_cache, backend)
-            with ops.choosing_gemm_kernels():   # warm-up: compile, and pick each GEMM's kernel
-                self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)
-                model.compute_logits(self.out[:bs])   # the step's lm_head, outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, mempool):
-                self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)
-            mempool = graph.pool()
-            self.graphs[bs] = graph
+            for cap in self.caps:
+                ctx = ForwardContext(self._meta(bs, cap), kv_cache, backend)
+                with ops.choosing_gemm_kernels():   # warm-up: compile, pick each GEMM's kernel
+                    self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)
+                    model.compute_logits(self.out[:bs])  # the step's lm_head, outside the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, mempool):
+                    self.out[:bs] = model(self.ids[:bs], self.positions[:bs], ctx)
+                mempool = graph.pool()
+                self.graphs[bs, cap] = graph
         torch.cuda.synchronize(dev)
-        self.sizes = sorted(self.graphs)
+        self.sizes = sorted({bs for bs, _ in self.graphs})
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        # Kernels size their split-KV grid for the longest possible context at capture time;
+    def _meta(self, bs: int, cap: int) -> AttentionMetadata:
+        # Kernels size their split-KV grid for the longest context the graph may see (`cap`);
         # each replay then uses as many splits as the real lengths need.
         return AttentionMetadata(
             slot_mapping=self.slots[:bs], query_start_loc=self.query_start[:bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.tables[:bs], num_decodes=bs,
-            num_decode_tokens=bs, max_query_len=1, max_seq_len=self.max_model_len,
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[self.max_model_len] * bs)
+            num_decode_tokens=bs, max_query_len=1, max_seq_len=cap,
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[cap] * bs)
 
     def can_run(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
@@ -78,5 +95,6 @@ class DecodeGraphs:
         self.seq_lens[n:bs] = 1
         width = meta.block_tables.shape[1]
         self.tables[:n, :width] = meta.block_tables
-        self.graphs[bs].replay()
+        longest = max(meta.seq_lens_cpu)
+        self.graphs[bs, next(c for c in self.caps if c >= longest)].replay()
         return self.out[:n]

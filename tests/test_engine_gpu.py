@@ -75,3 +75,23 @@ def test_engines_sharing_a_gpu_each_keep_to_their_share(tiny_model_root):
     for e in engines:
         out = e.generate([PROMPTS[0]], GREEDY)[0]
         assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_graphs_for_short_and_long_contexts_both_give_the_eager_tokens(tiny_model_root):
+    """max_model_len past SHORT_CONTEXT: each batch size is captured for short contexts and
+    for long ones (the fp8 attention launches differently for each); a batch that crosses
+    1024 tokens mid-decode moves from the one to the other, and its tokens stay the eager
+    engine's."""
+    d = make_tiny_model("llama_gqa", tiny_model_root)
+    prompts = [list(range(3, 1013)), [5, 9, 13]]       # the first passes 1024 while decoding
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        llm = LLM(d, dtype="bfloat16", kv_cache_dtype="fp8", device="cuda", max_model_len=2048,
+                  cuda_graphs=graphs)
+        if graphs:
+            assert llm.engine.runner.graphs.caps == [1024, 2048]
+        outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]

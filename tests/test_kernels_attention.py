@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.decode_attention import choose_num_splits, decode_attention, one_warp  # noqa: E402
+from pd_cluster.cuda_graphs import context_caps  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.reference import decode_attention_ref, paged_attention_ref  # noqa: E402
 
@@ -85,11 +86,13 @@ def test_num_splits_fill_the_gpu_but_stay_long_enough():
     assert choose_num_splits(seq_heads=1 * 8, max_seq_len=32768, num_sms=132) == 58
 
 
-def test_fp8_decode_takes_one_warp_programs_from_1024_sequence_heads():
-    assert one_warp(head_dim=128, fp8=True, seq_heads=128 * 8)
-    assert not one_warp(head_dim=128, fp8=True, seq_heads=64 * 8)      # 4 warps, splits
-    assert not one_warp(head_dim=128, fp8=False, seq_heads=256 * 8)    # 16-bit caches never
-    assert not one_warp(head_dim=256, fp8=True, seq_heads=256 * 8)     # too many registers
+def test_fp8_decode_takes_one_warp_programs_for_many_heads_or_long_contexts():
+    assert one_warp(head_dim=128, fp8=True, seq_heads=128 * 8, max_seq_len=128)
+    assert one_warp(head_dim=128, fp8=True, seq_heads=16 * 8, max_seq_len=4096)
+    assert not one_warp(head_dim=128, fp8=True, seq_heads=64 * 8, max_seq_len=1024)
+    assert not one_warp(head_dim=128, fp8=True, seq_heads=8 * 8, max_seq_len=4096)
+    assert not one_warp(head_dim=128, fp8=False, seq_heads=256 * 8, max_seq_len=4096)
+    assert not one_warp(head_dim=256, fp8=True, seq_heads=256 * 8, max_seq_len=4096)
 
 
 # (cached prefix, new tokens) per sequence: a fresh prompt, chunks after cached prefixes
@@ -129,3 +132,8 @@ def test_decode_attention_at_real_shapes(block_size, head_dim, batch):
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_prefill_attention_at_real_shapes(block_size, head_dim):
     check_prefill([(0, 1000), (700, 300), (2048, 1), (96, 517)], block_size, 32, 8, head_dim)
+
+
+def test_decode_graphs_are_captured_for_short_and_long_contexts():
+    assert context_caps(4096) == [1024, 4096]
+    assert context_caps(1024) == [1024] and context_caps(512) == [512]
