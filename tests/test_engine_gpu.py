@@ -83,7 +83,8 @@ def test_graphs_for_short_and_long_contexts_both_give_the_eager_tokens(tiny_mode
     1024 tokens mid-decode moves from the one to the other, and its tokens stay the eager
     engine's."""
     d = make_tiny_model("llama_gqa", tiny_model_root)
-    prompts = [list(range(3, 1013)), [5, 9, 13]]       # the first passes 1024 while decoding
+    # The first passes 1024 tokens while decoding (the tiny model's vocabulary is 512).
+    prompts = [[3 + i % 500 for i in range(1010)], [5, 9, 13]]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {}
     for graphs in (True, False):
