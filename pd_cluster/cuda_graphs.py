@@ -5,12 +5,13 @@ removes their launch cost. Inputs live in static buffers that every replay reads
 copies the step's ids, positions, slots, lengths and block tables in, pads the batch up to the
 nearest captured size (padding rows write no KV: slot -1) and replays.
 
-Each batch size is captured twice when max_model_len exceeds SHORT_CONTEXT: for steps whose
-contexts all fit SHORT_CONTEXT tokens, and for the rest. The attention kernels choose their
+Over an fp8 KV cache each batch size is captured twice when max_model_len exceeds
+SHORT_CONTEXT: for steps whose contexts all fit SHORT_CONTEXT tokens, and for the rest. The attention kernels choose their
 programs (split count, warps) at capture from the longest context the graph may see, and one
 choice does not fit both: over an fp8 cache, batches of 16-127 decode long contexts 8-15 %
 faster with one-warp programs in several splits, and short ones up to 1.7x slower
-(kernels/decode_attention.py `one_warp`).
+(kernels/decode_attention.py `one_warp`). The second set costs start-up time (an 8B engine on
+an H200: 27.5 s against 17), so 16-bit caches, whose launch does not change, keep one.
 
 With an fp8 KV cache the backend (pd_cluster/kv_scales.py ScaledKVBackend) passes each layer's
 scales as a view of one device tensor that never changes after load: the graphs capture its
@@ -28,8 +29,10 @@ from pd_cluster.models import ops
 SHORT_CONTEXT = 1024
 
 
-def context_caps(max_model_len: int) -> list[int]:
+def context_caps(max_model_len: int, fp8_kv: bool) -> list[int]:
     """The longest context each batch size's graphs are captured for."""
+    if not fp8_kv:
+        return [max_model_len]
     return sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
 
 
@@ -54,7 +57,7 @@ class DecodeGraphs:
         # The hidden states, in the model's dtype (an fp8 KV cache's dtype is not it).
         self.out = torch.zeros(max_batch, hidden_size, dtype=dtype or kv_cache.dtype, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.caps = context_caps(max_model_len)
+        self.caps = context_caps(max_model_len, kv_cache.dtype == torch.float8_e4m3fn)
         mempool = None
         for bs in sorted(capture_sizes(max_batch), reverse=True):  # largest first: one memory pool
             for cap in self.caps:

@@ -134,6 +134,7 @@ def test_prefill_attention_at_real_shapes(block_size, head_dim):
     check_prefill([(0, 1000), (700, 300), (2048, 1), (96, 517)], block_size, 32, 8, head_dim)
 
 
-def test_decode_graphs_are_captured_for_short_and_long_contexts():
-    assert context_caps(4096) == [1024, 4096]
-    assert context_caps(1024) == [1024] and context_caps(512) == [512]
+def test_decode_graphs_over_fp8_kv_are_captured_for_short_and_long_contexts():
+    assert context_caps(4096, fp8_kv=True) == [1024, 4096]
+    assert context_caps(1024, fp8_kv=True) == [1024] and context_caps(512, fp8_kv=True) == [512]
+    assert context_caps(4096, fp8_kv=False) == [4096]     # a 16-bit cache launches alike
