@@ -24,6 +24,7 @@ from waiting import wait_until
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIG = ROOT / "configs" / "pd.yaml"
 START_TIMEOUT_S = 600
+HEALTH_POLL_S = 0.25        # a /health answer costs the router about a millisecond
 # The shared default application (conftest.py's `default_server`) requires this key, so that
 # its modules can test a wrong one.
 API_KEY_ENV, API_KEY = "PD_TEST_API_KEY", "sk-pd-test"
@@ -51,7 +52,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, serving: bool) ->
         status, body = health(url)
         return status == 200 if serving else body is not None
     try:
-        wait_until(healthy, START_TIMEOUT_S, 1.0)
+        wait_until(healthy, START_TIMEOUT_S, HEALTH_POLL_S)
     except TimeoutError:
         raise TimeoutError(f"no healthy server after {START_TIMEOUT_S} s:\n"
                            f"{log.read_text()[-4000:]}") from None
