@@ -61,6 +61,23 @@ class EngineClient(Protocol):
 LOAD_TIMEOUT_S = 5.0
 
 
+async def answer_within(awaitable: Any, timeout_s: float) -> Any:
+    """The answer of `awaitable` (an actor call) within `timeout_s`, else TimeoutError; the
+    call is cancelled if we stop waiting. For loops that run until cancelled (lease renewals,
+    latency reports): asyncio.wait_for before Python 3.12 returns the answer instead of
+    raising CancelledError when the cancel lands as the answer arrives, and such a loop then
+    outlives its cancellation (asyncio.run waits for it forever at exit)."""
+    call = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({call}, timeout=timeout_s)
+    finally:
+        if not call.done():
+            call.cancel()
+    if not done:
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    return call.result()
+
+
 async def table_loads(table: ReplicaTable, cursors: Mapping[tuple[str, int], int] | None
                       ) -> list[ReplicaLoad]:
     """One fresh report per usable replica of `table` (a replica that turns out dead is

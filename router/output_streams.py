@@ -32,6 +32,7 @@ from actors.engine_loop import EngineFailed
 from actors.messages import StreamDelta, StreamError
 from actors.outbox import raise_stream_error
 from actors.subscribers import RENEW_EVERY_S, SUBSCRIBER_LEASE_S
+from router.engine_client import answer_within
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class OutputStreams:
     async def _renew(self, key: Hashable, actor: Any) -> None:
         while True:
             try:
-                await asyncio.wait_for(actor.keepalive.remote(self.sub), SUBSCRIBER_LEASE_S)
+                await answer_within(actor.keepalive.remote(self.sub), SUBSCRIBER_LEASE_S)
             except RayActorError:
                 return              # it died: nothing left to keep
             except Exception as e:  # noqa: BLE001 - a late answer: the next one may do

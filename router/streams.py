@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from actors.messages import DECODE
-from router.engine_client import EngineClient
+from router.engine_client import EngineClient, answer_within
 from router.errors import overloaded
 from router.membership import Membership
 from router.metrics import RouterMetrics
@@ -204,7 +204,7 @@ class MembershipWatcher:
             await asyncio.sleep(REPORT_EVERY_S)
             samples = self.metrics.take_samples()
             try:
-                self.metrics.set_planner(await asyncio.wait_for(
+                self.metrics.set_planner(await answer_within(
                     self.controller.report.remote(samples), MEMBERSHIP_POLL_S))
             except Exception as e:  # noqa: BLE001 - these samples are lost; carry on
                 logger.warning("latency report to the planner failed: %r", e)

@@ -12,6 +12,7 @@ import pytest
 from ray_support import environ, start_local_ray, stop_shared_ray
 
 SHARED_SERVER = "default_server"
+OWN_RAY = "own_ray"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -20,14 +21,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _run_server_tests_last(items: list[pytest.Item]) -> None:
-    """Each group in its collected order: the rest, then the `serve` tests, then those on
-    `default_server`. A server runs on a Ray of its own and stops the shared `ray_cluster`
-    first: this way that one starts once, and `default_server` (stopped by any other server
-    or by the shared Ray starting again) starts once too."""
+    """Each group in its collected order: the rest, then the tests on a Ray of their own
+    (`own_ray`), then the `serve` tests, then those on `default_server`. A server runs on a
+    Ray of its own too, and all of these stop the shared `ray_cluster` first: this way that
+    one starts once, and `default_server` (stopped by any other server or by the shared Ray
+    starting again) starts once too."""
     def group(item: pytest.Item) -> int:
-        if SHARED_SERVER in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if SHARED_SERVER in fixtures:
+            return 3
+        if item.get_closest_marker("serve"):
             return 2
-        return 1 if item.get_closest_marker("serve") else 0
+        return 1 if OWN_RAY in fixtures else 0
     items.sort(key=group)       # stable: the collected order within each group
 
 
@@ -61,6 +66,14 @@ def tiny_model_root(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def _ray_session():
     yield
+    stop_shared_ray()
+
+
+@pytest.fixture(scope="module")
+def own_ray(_ray_session) -> None:
+    """For a module that starts a Ray of its own (several nodes, other settings): the shared
+    `ray_cluster` is stopped first, and such modules run after those that share it
+    (pytest_collection_modifyitems), so that it is not started again."""
     stop_shared_ray()
 
 

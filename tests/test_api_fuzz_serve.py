@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import openai
@@ -21,6 +22,7 @@ from waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 MUTATIONS_PER_ENDPOINT = 120    # the default model answers each 200 on 2 CPUs: keep it short
+CONCURRENCY = 4
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FRANCE = "The capital of France is"
 OCEAN = "5065"     # the default model's token " ocean"
@@ -33,21 +35,27 @@ def server(default_server: str) -> str:
 
 
 def fuzz(http: httpx.Client, path: str, base: dict) -> tuple[list[str], dict[int, int]]:
+    """The mutations and broken bytes (drawn in order from the seeded rng), sent CONCURRENCY
+    at a time: the engines batch the ones they run, as they would any client's."""
     rng = random.Random(f"{SEED}{path}serve")
-    failures: list[str] = []
-    statuses: dict[int, int] = {}
+    cases = []
     for i in range(MUTATIONS_PER_ENDPOINT):
         data = json.dumps(mutate(rng, base), allow_nan=True).encode()
-        response = http.post(path, headers={**AUTH, "Content-Type": "application/json"},
-                             content=data)
-        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-        check(response, f"mutation {i} {data[:200]!r}", failures)
+        cases.append((f"mutation {i} {data[:200]!r}", data, {"Content-Type": "application/json"}))
     for i, (data, headers) in enumerate(raw_cases(rng, base)):
         if "Content-Length" in headers:     # an HTTP client refuses to send a wrong length
             continue
-        response = http.post(path, headers={**AUTH, **headers}, content=data)
-        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-        check(response, f"raw case {i} {headers} {data[:100]!r}", failures)
+        cases.append((f"raw case {i} {headers} {data[:100]!r}", data, headers))
+
+    def send(case: tuple[str, bytes, dict]) -> tuple[str, httpx.Response]:
+        what, data, headers = case
+        return what, http.post(path, headers={**AUTH, **headers}, content=data)
+    failures: list[str] = []
+    statuses: dict[int, int] = {}
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        for what, response in pool.map(send, cases):
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            check(response, what, failures)
     return failures, statuses
 
 

@@ -126,23 +126,35 @@ def describe(log) -> str:
 
 @pytest.fixture(scope="module")
 def colocated(default_model_dir: str):
-    """The offline engine that every served greedy output is compared with (loaded once)."""
+    """The offline engine that every served greedy output is compared with (loaded once, before
+    the server starts: the first test asks for it first)."""
     from pd_cluster import LLM
     return LLM(default_model_dir, kv_cache_memory_gb=0.25)
 
 
 def colocated_texts(llm, results: list[dict]) -> list[str]:
-    """The offline engine's greedy text for each result's request (each distinct one run once)."""
+    """The offline engine's greedy text for each result's request (each distinct one run once).
+    On one torch thread: the served cluster, idle, still keeps the 2 cores partly busy (15 %),
+    and a two-thread step then waits at every barrier for a descheduled sibling (measured: the
+    drain test's 12 requests in 6.1 s on two threads, 4.1 s on one; with a core kept busy by
+    another process, 30 s and 14 s)."""
+    import torch
+
     from pd_cluster import SamplingParams
     keys = list(dict.fromkeys((tuple(r["ids"]), r["max_tokens"]) for r in results))
-    outputs = llm.generate([list(ids) for ids, _ in keys],
-                           [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                            for _, n in keys])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outputs = llm.generate([list(ids) for ids, _ in keys],
+                               [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                for _, n in keys])
+    finally:
+        torch.set_num_threads(threads)
     text = {key: o.outputs[0].text for key, o in zip(keys, outputs)}
     return [text[(tuple(r["ids"]), r["max_tokens"])] for r in results]
 
 
-def test_pools_follow_a_shifting_load_with_role_flips(server: str, colocated):
+def test_pools_follow_a_shifting_load_with_role_flips(colocated, server: str):
     began = time.monotonic()
     decode_heavy = drive(server, DECODE_HEAVY, 0, lambda t: t.get("decode", 0) >= 3, PHASE_S)
     after_decode_heavy, first_s = targets(server), time.monotonic() - began

@@ -10,7 +10,7 @@ import pytest
 
 from engine_clients import collect, prefilled_tokens
 from pd_cluster import LLM, EngineConfig, SamplingParams
-from ray_support import RAY_WORKER_ENV, environ, stop_shared_ray
+from ray_support import RAY_WORKER_ENV, environ
 from router.routing import Route
 from tiny_models import make_tiny_model
 
@@ -26,9 +26,8 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(own_ray):
     """Nodes "a" and "b", each advertising its name as a resource."""
-    stop_shared_ray()
     with environ(RAY_WORKER_ENV):
         cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=1, resources={"a": 1}, object_store_memory=80 * 2**20,

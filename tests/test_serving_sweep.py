@@ -6,12 +6,15 @@ CPU-like profile, serves its recommendation, benches it at the same rate and wri
 consistent comparison.
 
 Each served configuration takes 20-60 s to start on 2 cores: the two serving tests are marked
-slow (`-m "not slow"` leaves them out).
+slow (`-m "not slow"` leaves them out), and they share one server of disagg:1:1 (the sweep's
+last configuration is validate's recommendation: `KeptServer`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,28 +58,60 @@ def records_of(point: dict) -> list[dict]:
     return [dict(zip(RECORD_COLUMNS, row)) for row in point["records"]]
 
 
-def serving_bench(argv: list[str]) -> int:
-    """`bench/serving_sweep.py ARGV`, on local Rays of its own (the shared one stopped)."""
+@pytest.fixture(scope="module")
+def harness() -> Iterator:
+    """The benchmarks' harness (router/serving_bench.py), keeping its last server for the next
+    test of the module."""
     pytest.importorskip("ray")
-    from router.serving_bench import main
+    from router.serving_bench import LocalRayHarness
 
-    stop_shared_ray()
-    return main(argv, SERVE_CONFIG)
+    class KeptServer(LocalRayHarness):
+        """Serves each configuration on a local Ray of its own, as LocalRayHarness does, but
+        keeps the last one running after its block: the next block asking for the same args
+        gets it (starting one takes 20-60 s on 2 cores); any other stops it first."""
+
+        def __init__(self) -> None:
+            self.kept: tuple[dict, contextlib.ExitStack, str] | None = None
+
+        @contextlib.contextmanager
+        def serving(self, args, opts) -> Iterator[str]:
+            if self.kept is None or self.kept[0] != args:
+                self.close()
+                stop_shared_ray()       # the actor tests' Ray, if it runs
+                stack = contextlib.ExitStack()
+                url = stack.enter_context(super().serving(args, opts))
+                self.kept = (args, stack, url)
+            yield self.kept[2]
+
+        def close(self) -> None:
+            if self.kept is not None:
+                kept, self.kept = self.kept, None
+                kept[1].close()
+
+    kept = KeptServer()
+    yield kept
+    kept.close()
+
+
+def serving_bench(argv: list[str], harness) -> int:
+    """`bench/serving_sweep.py ARGV`, served through `harness`."""
+    return run(argv, harness, SERVE_CONFIG)
 
 
 @pytest.mark.slow
 @pytest.mark.serve
-def test_sweep_measures_every_rate_of_each_configuration(tmp_path: Path):
+def test_sweep_measures_every_rate_of_each_configuration(tmp_path: Path, harness):
     out = tmp_path / "sweep"
-    serving_bench(["sweep", "--configs", "disagg:1:1,colo:1", "--rates", "1,2",
+    # disagg:1:1 last: its server is kept for validate's recommendation (the same app args).
+    serving_bench(["sweep", "--configs", "colo:1,disagg:1:1", "--rates", "1,2",
                    "--window", "3", "--settle", "0.5", "--stop-below", "0",
                    "--budget-s", "3000", *LOAD,
-                   "-o", str(out)])
+                   "-o", str(out)], harness)
     result = json.loads((out / "sweep.json").read_text())
     assert result["command"].startswith("python3 bench/serving_sweep.py sweep")
     assert result["slo"] == {"ttft": 5.0, "tpot": 1.0, "percentile": 90.0}
     assert set(result["definitions"]) >= {"goodput", "kv_transfer", "window"}
-    assert [c["config"] for c in result["configs"]] == ["disagg:1:1", "colo:1"]
+    assert [c["config"] for c in result["configs"]] == ["colo:1", "disagg:1:1"]
     for config in result["configs"]:
         assert "error" not in config, config["error"]
         assert config["start_s"] > 0 and min(config["kv_capacity_tokens"].values()) > 0
@@ -158,14 +193,15 @@ def cpu_profile(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.serve
-def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profile: Path):
+def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profile: Path,
+                                                      harness):
     out = tmp_path / "validate"
     serving_bench(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "2",
                    "--no-colocated",
                    "--requests", "6", "--tune-requests", "50", *LOAD,
                    "--ttft-slo", "2s", "--tpot-slo", "500ms",
                    "--serving-overhead-lengths", "16,64", "--serving-load-requests", "6",
-                   "-o", str(out)])
+                   "-o", str(out)], harness)
     result = json.loads((out / "validate.json").read_text())
     assert "errors" not in result, result["errors"]
     # The overhead was measured on the served config and tune reran with it.

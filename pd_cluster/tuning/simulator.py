@@ -20,8 +20,9 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -109,12 +110,13 @@ class EventKind(Enum):
     KV_LANDED = "kv_landed"             # target: request index
 
 
-@dataclass(order=True, slots=True)
-class Event:
+class Event(NamedTuple):
+    """Heap order is (time, seq), seq unique: kind and target are never compared. A tuple, not
+    an ordered dataclass: the heap compares in C, and a replay makes millions of comparisons."""
     time: float
     seq: int                            # FIFO among equal times
-    kind: EventKind = field(compare=False)
-    target: int = field(compare=False)
+    kind: EventKind
+    target: int
 
 
 class _Batch:
