@@ -33,8 +33,8 @@ Tried on the same kernel and not faster (H100, 2026-11-25): scores on FP8 tensor
 quantized per head, K as wgmma's M operand: level with widening, and q's rounding costs
 accuracy), the whole loop transposed so both dots run on wgmma (level: the tensor cores are
 not the limit), P @ V on FP8 tensor cores (p scaled to e4m3: 1.7x slower, V transposed in
-registers), K and V both widened by PTX (slower: K's operand is better left to Triton), a register double buffer of the next tile (slower: fewer
-programs fit). Nor (H200, 2026-11-26): K and V loaded as int32 words and widened four e4m3 at
+registers), K and V both widened by PTX (slower: K's operand is better left to Triton), a
+register double buffer of the next tile (slower: fewer programs fit). Nor (H200, 2026-11-26): K and V loaded as int32 words and widened four e4m3 at
 a time (a third fewer instructions per tile, yet 1.2-1.5x slower), pages laid out head-major,
 pages of up to 1024 tokens (bench/results/README.md). The same kernel reads a bf16 cache at
 3.5-4.4 TB/s and an fp8 one at 2.2-3.0.
