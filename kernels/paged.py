@@ -31,13 +31,14 @@ fp16 to shared memory and reads it back with ldmatrix, as a 16-bit cache does: d
 fp8 KV 5-13 % faster on an H200 (64-256 x 1024; bench/decode_fp8_variants.py, `v_asm`).
 Tried on the same kernel and not faster (H100, 2026-11-25): scores on FP8 tensor cores (q
 quantized per head, K as wgmma's M operand: level with widening, and q's rounding costs
-accuracy), the whole loop transposed so both dots run on wgmma (level: the tensor cores are
-not the limit), P @ V on FP8 tensor cores (p scaled to e4m3: 1.7x slower, V transposed in
+accuracy), the whole loop transposed so both dots run on wgmma (level: the tensor cores are not
+the limit), P @ V on FP8 tensor cores (p scaled to e4m3: 1.7x slower, V transposed in
 registers), K and V both widened by PTX (slower: K's operand is better left to Triton), a
-register double buffer of the next tile (slower: fewer programs fit). Nor (H200, 2026-11-26): K and V loaded as int32 words and widened four e4m3 at
-a time (a third fewer instructions per tile, yet 1.2-1.5x slower), pages laid out head-major,
-pages of up to 1024 tokens (bench/results/README.md). The same kernel reads a bf16 cache at
-3.5-4.4 TB/s and an fp8 one at 2.2-3.0.
+register double buffer of the next tile (slower: fewer programs fit). Nor (H200, 2026-11-26): K
+and V loaded as int32 words and widened four e4m3 at a time (a third fewer instructions per
+tile, yet 1.2-1.5x slower), pages laid out head-major, pages of up to 1024 tokens
+(bench/results/README.md). The same kernel reads a bf16 cache at 3.5-4.4 TB/s and an fp8 one at
+2.2-3.0.
 """
 from __future__ import annotations
 

@@ -6,12 +6,13 @@ copies the step's ids, positions, slots, lengths and block tables in, pads the b
 nearest captured size (padding rows write no KV: slot -1) and replays.
 
 Over an fp8 KV cache each batch size is captured twice when max_model_len exceeds
-SHORT_CONTEXT: for steps whose contexts all fit SHORT_CONTEXT tokens, and for the rest. The attention kernels choose their
-programs (split count, warps) at capture from the longest context the graph may see, and one
-choice does not fit both: over an fp8 cache, batches of 16-127 decode long contexts 8-15 %
-faster with one-warp programs in several splits, and short ones up to 1.7x slower
-(kernels/decode_attention.py `one_warp`). The second set costs start-up time (an 8B engine on
-an H200: 27.5 s against 17), so 16-bit caches, whose launch does not change, keep one.
+SHORT_CONTEXT: for steps whose contexts all fit SHORT_CONTEXT tokens, and for the rest. The
+attention kernels choose their programs (split count, warps) at capture from the longest
+context the graph may see, and one choice does not fit both: batches of 16-127 decode long
+contexts up to 15 % faster with one-warp programs in several splits, and short ones up to 1.7x
+slower (kernels/decode_attention.py `one_warp`). The second set costs start-up
+time (an 8B engine on an H200: 27.5 s against 17), so 16-bit caches, whose launch does not
+change, keep one.
 
 With an fp8 KV cache the backend (pd_cluster/kv_scales.py ScaledKVBackend) passes each layer's
 scales as a view of one device tensor that never changes after load: the graphs capture its
