@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kernels.paged import (FP8_MAX, attend_paged_range, check_kv_dtype, check_out_dtype,
                            dot_dtype, finish_output, load_kv_scales, widen_by_ptx)
+from kernels.pdl import pdl_args, wait_for_inputs
 
 # Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
 # 128, bench sweeps): KV bandwidth saturates once about 3.5 stage-1 programs per SM are in
@@ -65,13 +66,14 @@ def _decode_stage1_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    KV_SCALED: tl.constexpr, V_PTX: tl.constexpr, OUT_FP8: tl.constexpr,
+    KV_SCALED: tl.constexpr, V_PTX: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
     PartialLse is unused; stride_ps is 0. OUT_FP8: the output is fp8 in V's units
     (kernels/paged.py finish_output); split partials are then in V's units too."""
     # KV heads vary fastest across programs: the group of programs that runs together reads
     # all heads of the same blocks, whose rows lie side by side in memory.
+    wait_for_inputs(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SeqLens + seq)
     chunk = _split_len(seq_len, num_splits, BLOCK_N)
@@ -113,8 +115,9 @@ def _decode_stage2_kernel(
     PartialOut, PartialLse, SeqLens, Out, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    OUT_FP8: tl.constexpr,
+    OUT_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(SeqLens + seq)
     used_splits = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
@@ -239,8 +242,8 @@ def decode_attention(
                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
                 BLOCK_N=block_n, KV_SCALED=kv_scale is not None,
                 V_PTX=kv_scale is not None and widen_by_ptx(q.device), OUT_FP8=out_fp8,
-                num_warps=num_warps,
-                num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+                num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
+                **({} if maxnreg is None else {"maxnreg": maxnreg}))
     stage1 = functools.partial(
         _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,
         block_tables, seq_lens)
@@ -260,5 +263,6 @@ def decode_attention(
     _decode_stage2_kernel[(batch, num_heads)](
         partial_out, partial_lse, seq_lens, out, num_splits,
         *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, OUT_FP8=out_fp8, num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, OUT_FP8=out_fp8, num_warps=4,
+        **pdl_args(q.device))
     return out

@@ -26,6 +26,7 @@ import torch
 import triton
 
 from kernels.linear import _linear_kernel
+from kernels.pdl import pdl_args
 
 FP8 = torch.float8_e4m3fn
 # The largest batch this kernel takes (`takes` says which shapes); above it the GEMMs turn
@@ -76,7 +77,7 @@ def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
     _linear_kernel[grid](xq, w8, y, m, n, k, xq.stride(0), w8.stride(0), y.stride(0), x_scale,
                          x_scale.stride(0), w_scale, SCALED=True, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-                         num_stages=num_stages or default_stages)
+                         num_stages=num_stages or default_stages, **pdl_args(xq.device))
     return y
 
 

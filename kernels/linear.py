@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, wait_for_inputs
+
 # Above this cuBLAS won every shape measured (bench/gemm_bench.py, H200, M = 128 and 256),
 # so larger batches are not even timed.
 MAX_ROWS = 64
@@ -32,10 +34,11 @@ MAX_ROWS = 64
 @triton.jit
 def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, XS, stride_xs, WS,
                    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """SCALED: x and w are FP8 with per-row scales XS [M] (stride_xs apart: 0 for one scale
     shared by every row) and WS [N] (kernels/fp8_linear.py), applied once to the float32
     accumulator."""
+    wait_for_inputs(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,7 +79,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, block_n: int | None = None,
     # Unscaled: the scale pointers are never read; x stands in.
     _linear_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), x, 0, x,
                          SCALED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         num_warps=4, num_stages=num_stages)
+                         num_warps=4, num_stages=num_stages, **pdl_args(x.device))
     return y
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_quant import FP8, quantize_row
+from kernels.pdl import pdl_args, wait_for_inputs
 
 
 @triton.jit
@@ -24,8 +25,9 @@ def _rms_norm_kernel(
     X, Residual, ResidualOut, Weight, Out, Scale, eps,
     stride_x, stride_r, stride_ro, stride_o,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -59,7 +61,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor, residual_out: torch.Tensor,
         x, residual, residual_out, weight, out, weight if scale is None else scale, eps,
         x.stride(0), residual.stride(0), residual_out.stride(0), out.stride(0),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual, QUANT=scale is not None,
-        num_warps=min(max(block // 256, 1), 16))
+        num_warps=min(max(block // 256, 1), 16), **pdl_args(x.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):
