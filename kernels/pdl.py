@@ -1,16 +1,18 @@
-"""Programmatic dependent launch (PDL, sm90+): a kernel launched with it may start while the
-kernel before it drains, so its launch and set-up overlap the other's tail.
+"""Programmatic dependent launch (PDL, sm90+): a kernel launched with it is staged while the
+kernel before it drains, so part of its launch overlaps the other's tail.
 
-A decode step is a few hundred short kernels, many of them a few microseconds long; at batch
-64 on an H100 a CUDA graph of 32 layers of them ran 2.6 % faster with PDL
-(bench/results/pdl_chain_h100x1_b64.json). Every kernel that takes part calls
-`wait_for_inputs` before it touches memory: griddepcontrol.wait returns once the kernel
-before it has finished and its writes are visible, so reads of its outputs, and writes to
-buffers it still reads, are safe. It first lets the next kernel launch
-(griddepcontrol.launch_dependents), whose programs then wait in their own
-`wait_for_inputs`. Kernels launched without PDL (cuBLAS, torch) keep stream order.
+Every kernel that takes part calls `wait_for_inputs` before it touches memory:
+griddepcontrol.wait returns once the kernel before it has finished and its writes are
+visible, so reads of its outputs, and writes to buffers it still reads, are safe. Kernels
+launched without PDL (cuBLAS, torch) keep plain stream order.
 
-`PD_CLUSTER_PDL=0` in the environment turns it off (for comparison).
+Measured in the engine's CUDA graphs on an H200 (FP8 8B shape, context 1k, decode step, PDL
+off then on, twice each; bench/engine_bench.py): batch 64 4.87 / 4.95 -> 4.83 / 4.89 ms,
+batch 256 11.30 / 11.34 -> 11.21 / 11.28 ms. Letting each kernel release the next at its
+start as well (griddepcontrol.launch_dependents) gained more at batch 64 (4.88 -> 4.76 ms)
+but lost at 256 (11.25 -> 11.35 ms: the next kernel's waiting programs hold SM slots the
+current one's later waves need), so kernels do not. `PD_CLUSTER_PDL=0` in the environment
+turns PDL off (for comparison).
 """
 from __future__ import annotations
 
@@ -40,5 +42,4 @@ def pdl_args(device: torch.device) -> dict:
 def wait_for_inputs(PDL: tl.constexpr):
     """The first statement of a PDL kernel (module docstring); nothing without PDL."""
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
