@@ -43,6 +43,25 @@ def cache(batch, context):
     return q, k, v, table, lens
 
 
+def sweep(cases, grid, scale) -> list[dict]:
+    """The shipped fp8 kernel at each (batch, context) case under each knob setting of `grid`:
+    a row per pair, with its time or the error of a setting Triton cannot compile."""
+    rows = []
+    for batch, ctx in cases:
+        q, k, v, table, lens = cache(batch, ctx)
+        out = torch.empty_like(q)
+        for knobs in grid:
+            try:
+                ms = triton.testing.do_bench(lambda: decode_attention(
+                    q, k, v, table, lens, D ** -0.5, ctx, out=out, kv_scale=scale, **knobs))
+            except Exception as e:      # a setting Triton cannot compile: say so
+                rows.append({"batch": batch, "context": ctx, **knobs, "error": repr(e)[:200]})
+                continue
+            rows.append({"batch": batch, "context": ctx, **knobs, "us": ms * 1e3,
+                         "GBps": 2 * k.numel() / ms / 1e6})
+    return rows
+
+
 def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "triton": triton.__version__}
     scale = torch.tensor([0.05, 0.05], device="cuda")
@@ -87,41 +106,16 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     if "--parallel" in sys.argv:     # more, smaller programs resident per SM
-        res["parallel"] = []
-        grid = [{}] + [dict(num_splits=sp, num_stages=st, num_warps=w, block_n=bn)
-                       for sp, st, w, bn in itertools.product(SPLITS, STAGES, WARPS, TILES)]
-        for batch, ctx in PARALLEL_CASES:
-            q, k, v, table, lens = cache(batch, ctx)
-            out = torch.empty_like(q)
-            for knobs in grid:
-                try:
-                    ms = triton.testing.do_bench(lambda: decode_attention(
-                        q, k, v, table, lens, D ** -0.5, ctx, out=out, kv_scale=scale, **knobs))
-                except Exception as e:      # a setting Triton cannot compile: say so
-                    res["parallel"].append({"batch": batch, "context": ctx, **knobs,
-                                            "error": repr(e)[:200]})
-                    continue
-                res["parallel"].append({"batch": batch, "context": ctx, **knobs,
-                                        "us": ms * 1e3, "GBps": 2 * k.numel() / ms / 1e6})
+        res["parallel"] = sweep(PARALLEL_CASES, [{}] + [
+            dict(num_splits=sp, num_stages=st, num_warps=w, block_n=bn)
+            for sp, st, w, bn in itertools.product(SPLITS, STAGES, WARPS, TILES)], scale)
         print(json.dumps(res, indent=1))
         return
     if "--occupancy" in sys.argv:    # registers and warps against programs per SM
-        res["occupancy"] = []
-        for batch, ctx in ((64, 1024), (128, 1024), (256, 1024), (64, 2048)):
-            q, k, v, table, lens = cache(batch, ctx)
-            out = torch.empty_like(q)
-            for warps, nreg, stages, bn in itertools.product((2, 4), (None, 128, 96), (2, 3, 4),
-                                                            (64, 128)):
-                knobs = dict(num_warps=warps, maxnreg=nreg, num_stages=stages, block_n=bn)
-                try:
-                    ms = triton.testing.do_bench(lambda: decode_attention(
-                        q, k, v, table, lens, D ** -0.5, ctx, out=out, kv_scale=scale, **knobs))
-                except Exception as e:      # a setting Triton cannot compile: say so
-                    res["occupancy"].append({"batch": batch, "context": ctx, **knobs,
-                                             "error": repr(e)[:200]})
-                    continue
-                res["occupancy"].append({"batch": batch, "context": ctx, **knobs,
-                                         "us": ms * 1e3, "GBps": 2 * k.numel() / ms / 1e6})
+        res["occupancy"] = sweep(((64, 1024), (128, 1024), (256, 1024), (64, 2048)), [
+            dict(num_warps=w, maxnreg=r, num_stages=st, block_n=bn)
+            for w, r, st, bn in itertools.product((2, 4), (None, 128, 96), (2, 3, 4), (64, 128))],
+            scale)
         print(json.dumps(res, indent=1))
         return
     res["splits"] = []
