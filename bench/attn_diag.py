@@ -1,12 +1,13 @@
 """Diagnostics for decode attention over an FP8 cache (H100): where the time goes.
 
-    PYTHONPATH=. python bench/attn_diag.py [--occupancy | --parallel | --rule]
+    PYTHONPATH=. python bench/attn_diag.py [--occupancy | --parallel | --registers | --rule]
 
 Prints JSON: torch's read bandwidth at the same byte counts, the load-only floor across
 contexts (fixed cost per call), the shipped kernel across split counts, and a CUDA-graph
 chain of 32 calls (a decode step's attention) against 32 eager calls. --occupancy instead
 sweeps the shipped kernel's warps x register cap x stages x tile at four batch shapes;
 --parallel sweeps splits x stages x warps x tile (smaller programs, more of them per SM);
+--registers caps one-warp programs' registers (192 / 168 / 128) x splits x stages;
 --rule times the launcher's fp8 choice against the 4-warp one before it, batch 8-256 x
 context 128-4096, sized as the engine's CUDA graphs size it (max_seq_len 4096).
 """
@@ -109,6 +110,12 @@ def main() -> None:
         res["parallel"] = sweep(PARALLEL_CASES, [{}] + [
             dict(num_splits=sp, num_stages=st, num_warps=w, block_n=bn)
             for sp, st, w, bn in itertools.product(SPLITS, STAGES, WARPS, TILES)], scale)
+        print(json.dumps(res, indent=1))
+        return
+    if "--registers" in sys.argv:    # one-warp programs: a register cap against more per SM
+        res["registers"] = sweep(PARALLEL_CASES, [{}] + [
+            dict(num_warps=1, block_n=32, maxnreg=r, num_splits=sp, num_stages=st)
+            for r, sp, st in itertools.product((None, 192, 168, 128), (1, 2), (2, 3))], scale)
         print(json.dumps(res, indent=1))
         return
     if "--occupancy" in sys.argv:    # registers and warps against programs per SM

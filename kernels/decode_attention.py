@@ -93,10 +93,17 @@ def _decode_stage1_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # Whole tiles first, unmasked; then the ragged last one, if any, masked.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    table_row = BlockTables + seq * stride_bt
     acc, m_i, l_i = attend_paged_range(
-        acc, m_i, l_i, q, offs_h, KCache, VCache, BlockTables + seq * stride_bt,
-        kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
-        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX)
+        acc, m_i, l_i, q, offs_h, KCache, VCache, table_row, kv_head * stride_ch, start,
+        full_end, qk_scale, stride_cb, stride_cs, offs_d, mask_d, PAGE_SIZE=PAGE_SIZE,
+        BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=False, V_PTX=V_PTX, LAZY=True)
+    acc, m_i, l_i = attend_paged_range(
+        acc, m_i, l_i, q, offs_h, KCache, VCache, table_row, kv_head * stride_ch, full_end,
+        end, qk_scale, stride_cb, stride_cs, offs_d, mask_d, PAGE_SIZE=PAGE_SIZE,
+        BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX, LAZY=True)
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
     out = acc / l_i[:, None]
     if DIRECT or not OUT_FP8:       # split fp8 partials are clamped once merged (stage 2)

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)   # the largest finite float8_e4m3fn: stores saturate to it
+LAZY_LOG2 = tl.constexpr(8.0)   # `attend_paged_range` LAZY: rescale once a max grows 256x
 
 
 def check_kv_dtype(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | None):
@@ -127,9 +128,10 @@ def widen_e4m3(x, PTX: tl.constexpr):
     marked impure so Triton keeps it in the load's layout (module docstring); the
     interpreter and pre-sm89 GPUs cannot run it, so launchers pass PTX only on sm89+."""
     if PTX:
-        x = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
-                                      [x.to(tl.int8, bitcast=True)], dtype=tl.float16,
-                                      is_pure=False, pack=2)
+        x = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r",
+            [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
     else:
         x = x.to(tl.float16)
     return x
@@ -139,7 +141,8 @@ def widen_e4m3(x, PTX: tl.constexpr):
 def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset,
                        start, end, qk_scale, stride_block, stride_slot, offs_d, mask_d,
                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr,
-                       CAUSAL: tl.constexpr, V_PTX: tl.constexpr = False):
+                       CAUSAL: tl.constexpr, V_PTX: tl.constexpr = False,
+                       LAZY: tl.constexpr = False):
     """Online-softmax attention of q [M, BLOCK_D] to positions [start, end) of one sequence.
 
     acc [M, BLOCK_D] (unnormalised output), m_i [M] (running max), l_i [M] (running sum)
@@ -172,9 +175,22 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
         # Callers ensure each row has seen a position by the end of its first tile, so
         # m_new stays finite (no -inf - -inf = NaN).
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        if LAZY:
+            # Rescale only once some row's max has grown past LAZY_LOG2 since the last time:
+            # p then stays below 2 ** LAZY_LOG2 (exact in fp16 and fp32), and the tiles in
+            # between skip the acc * alpha multiplies (a quarter of a tile's float work).
+            if tl.max(m_new - m_i, 0) > LAZY_LOG2:
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.exp2(qk - m_i[:, None])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
     return acc, m_i, l_i

@@ -250,7 +250,14 @@ class EngineConfig(BaseModel):
         device = torch.device("cuda" if self.device == "auto" and torch.cuda.is_available()
                               else "cpu" if self.device == "auto" else self.device)
         if device.type == "cuda" and self.tensor_parallel_size > 1:
-            return torch.device("cuda", (device.index or 0) + rank)
+            # Checked here, before any rank starts: a rank past the last GPU would otherwise
+            # fail alone while rank 0 waits out the group's rendezvous timeout.
+            first, tp, visible = device.index or 0, self.tensor_parallel_size, \
+                torch.cuda.device_count()
+            if first + tp > visible:
+                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs from cuda:{first}; "
+                                 f"{visible} visible")
+            return torch.device("cuda", first + rank)
         return device
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:

@@ -113,9 +113,9 @@ class ModelRunner:
         self.config, self.model_cfg, self.rank = config, model_cfg, rank
         self.tp_size = config.tensor_parallel_size
         self.workers: Any = None
+        self.device = config.torch_device(rank)
         if self.tp_size > 1 and rank == 0:
             self._start_ranks((config, model_dir, model_cfg, max_model_len, model_name))
-        self.device = config.torch_device(rank)
         if self.device.index is not None:     # a rank's own GPU: its kernels' default
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype(model_cfg)

@@ -77,6 +77,36 @@ def test_decode_attention_matches_reference(head_dim, block_size, num_heads, num
                  block_n=block_n, num_splits=num_splits)
 
 
+# Scores that climb along the context (slope > 0: the running max grows by more than the
+# kernel's lazy-rescale threshold within a tile, or only across several) or fall (slope < 0:
+# the first tile's max stands to the end).
+# An fp8 cache also widens p to float16 for P @ V, which the threshold keeps finite.
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("slope", [0.25, 1.0, -0.5])
+def test_decode_attention_follows_a_max_that_moves_along_the_context(slope, fp8):
+    seq_lens, block_size, head_dim = [100, 61], 16, 64
+    k_cache, v_cache, table = paged_kv(seq_lens, block_size, 2, head_dim)
+    q = torch.zeros(len(seq_lens), 8, head_dim, dtype=DTYPE, device=DEVICE)
+    q[..., 0] = 8.0
+    for i, n in enumerate(seq_lens):
+        for pos in range(n):
+            block, slot = table[i, pos // block_size], pos % block_size
+            k_cache[block, slot, :, 0] = slope * pos      # q . k = 8 * slope * pos
+    kv_scale = None
+    if fp8:
+        kv_scale = torch.stack([k_cache.abs().max(), v_cache.abs().max()]).float() / 448
+        k_cache = (k_cache / kv_scale[0]).to(torch.float8_e4m3fn)
+        v_cache = (v_cache / kv_scale[1]).to(torch.float8_e4m3fn)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    for num_splits in (1, 2):
+        out = decode_attention(q, k_cache, v_cache, table, lens, scale, max(seq_lens),
+                               block_n=16, num_splits=num_splits, kv_scale=kv_scale)
+        ref = decode_attention_ref(q, k_cache, v_cache, table, lens, scale, kv_scale)
+        tol = 1e-3 if fp8 and INTERPRETED else TOL     # p in float16 (tests/test_fp8_kv.py)
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
 def test_num_splits_fill_the_gpu_but_stay_long_enough():
     # batch x 8 KV heads on 132 SMs: about 462 programs wanted, chunks of >= 256 tokens.
     assert choose_num_splits(seq_heads=64 * 8, max_seq_len=4096, num_sms=132) == 1

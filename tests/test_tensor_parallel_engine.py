@@ -76,3 +76,12 @@ def test_a_dead_rank_ends_its_engine_actor_so_the_replica_is_replaced(ray_cluste
     os.kill(ray.get(actor.__ray_call__.remote(_first_worker_pid), timeout=30), signal.SIGKILL)
     with pytest.raises(RayActorError):
         ray.get(actor.run_offline.remote([[1, 2, 3, 4, 5]], GREEDY, 1), timeout=90)
+
+
+def test_more_ranks_than_visible_gpus_are_refused_before_any_rank_starts(tiny_model_root):
+    import torch
+
+    model_dir = make_tiny_model("llama_gqa", tiny_model_root)
+    ranks = max(2, torch.cuda.device_count() + 1)     # more than this machine has
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={ranks} needs {ranks} GPUs"):
+        LLM(model_dir, device="cuda", tensor_parallel_size=ranks)
