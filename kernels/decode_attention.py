@@ -179,7 +179,7 @@ def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool
     """Whether an fp8 decode runs one-warp programs over 32-token tiles instead of 4-warp
     programs over 64/128 tokens.
 
-    The fp8 kernel does not reach the bytes' bandwidth (2.2-3.0 TB/s on an H200 where the
+    The fp8 kernel does not reach the bytes' bandwidth (2.2-3.3 TB/s on an H200 where the
     same kernel reads bf16 at 3.5-4.4, whatever the KV layout, page size or tile:
     bench/results/kv_layout_h200.json, kv_pages_h200.json); more, smaller programs hide more
     of each one's latency. Measured on an H200 as the CUDA graphs launch it, splits sized

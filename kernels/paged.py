@@ -37,8 +37,17 @@ registers), K and V both widened by PTX (slower: K's operand is better left to T
 register double buffer of the next tile (slower: fewer programs fit). Nor (H200, 2026-11-26): K
 and V loaded as int32 words and widened four e4m3 at a time (a third fewer instructions per
 tile, yet 1.2-1.5x slower), pages laid out head-major, pages of up to 1024 tokens
-(bench/results/README.md). The same kernel reads a bf16 cache at 3.5-4.4 TB/s and an fp8 one at
-2.2-3.0.
+(bench/results/README.md). Nor (H200, 2026-11-26): V's pages stored transposed, so V reaches
+P @ V as K reaches q @ K^T with no float16 round trip through shared memory (slower at 5 of 6
+shapes: bench/decode_fp8_vt.py), or a register cap on one-warp programs (level or slower).
+The same kernel reads a bf16 cache at 3.4-4.4 TB/s and an fp8 one at 2.2-3.3. Nsight Compute
+(bench/results/attn_ncu_h200.json): the one-warp fp8 programs are latency-bound, 8 per SM at
+220 registers a thread, no warp ready 68 % of cycles with DRAM 55 % busy.
+
+V is widened four e4m3 per inline-asm call, from the 32-bit register that holds them: with two
+per call Triton rebuilt each pair from single bytes (a PRMT, a shift and an OR per value).
+That, masks on the ragged last tile only and the lazy rescale (`attend_paged_range` LAZY) cut
+the one-warp loop from 1029 to 711 SASS instructions a tile, and the kernel's time 2-4 %.
 """
 from __future__ import annotations
 
