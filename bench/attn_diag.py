@@ -1,6 +1,7 @@
 """Diagnostics for decode attention over an FP8 cache (H100): where the time goes.
 
-    PYTHONPATH=. python bench/attn_diag.py [--occupancy | --parallel | --registers | --rule]
+    PYTHONPATH=. python bench/attn_diag.py [--occupancy | --parallel | --registers | --rule |
+                                            --transposed]
 
 Prints JSON: torch's read bandwidth at the same byte counts, the load-only floor across
 contexts (fixed cost per call), the shipped kernel across split counts, and a CUDA-graph
@@ -8,6 +9,8 @@ chain of 32 calls (a decode step's attention) against 32 eager calls. --occupanc
 sweeps the shipped kernel's warps x register cap x stages x tile at four batch shapes;
 --parallel sweeps splits x stages x warps x tile (smaller programs, more of them per SM);
 --registers caps one-warp programs' registers (192 / 168 / 128) x splits x stages;
+--transposed times one-warp programs with the heads as the dots' N dimension (16/32/64-token
+tiles x ~7 or ~12 programs per SM) against 4-warp ones, batch 16-256 x context 128-4096;
 --rule times the launcher's fp8 choice against the 4-warp one before it, batch 8-256 x
 context 128-4096, sized as the engine's CUDA graphs size it (max_seq_len 4096).
 """
@@ -110,6 +113,35 @@ def main() -> None:
         res["parallel"] = sweep(PARALLEL_CASES, [{}] + [
             dict(num_splits=sp, num_stages=st, num_warps=w, block_n=bn)
             for sp, st, w, bn in itertools.product(SPLITS, STAGES, WARPS, TILES)], scale)
+        print(json.dumps(res, indent=1))
+        return
+    if "--transposed" in sys.argv:   # one-warp programs with the heads as N, against 4 warps
+        # As the engine's CUDA graphs launch it: splits sized for the graph's context cap
+        # (1024 for contexts up to 1024 over an fp8 cache, else max_model_len 4096).
+        res["transposed"] = []
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for batch, ctx in itertools.product((16, 32, 64, 128, 256),
+                                            (128, 256, 512, 1024, 2048, 4096)):
+            if batch * ctx > 256 * 4096:
+                continue
+            cap = 1024 if ctx <= 1024 else 4096
+            q, k, v, table, lens = cache(batch, ctx)
+            table = torch.nn.functional.pad(table, (0, cap // BLK - table.shape[1]))
+            out = torch.empty_like(q)
+            four = dict(num_warps=4, transposed=False,
+                        num_splits=choose_num_splits(batch * KVH, cap, sms))
+            settings = [("shipped", {}), ("four_warps", four)] + [
+                (f"t{bn}_pps{pps}", dict(num_warps=1, transposed=True, block_n=bn,
+                                         num_splits=choose_num_splits(batch * KVH, cap, sms,
+                                                                      pps)))
+                for bn, pps in itertools.product((16, 32, 64), (7, 12))]
+            row = {"batch": batch, "context": ctx, "max_seq_len": cap}
+            for name, knobs in settings:
+                ms = triton.testing.do_bench(lambda: decode_attention(
+                    q, k, v, table, lens, D ** -0.5, cap, out=out, kv_scale=scale, **knobs))
+                row[name + "_us"] = ms * 1e3
+            res["transposed"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
         print(json.dumps(res, indent=1))
         return
     if "--registers" in sys.argv:    # one-warp programs: a register cap against more per SM

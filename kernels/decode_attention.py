@@ -11,8 +11,10 @@
 
 Stage 1, grid (num_kv_heads, B, num_splits): a program takes one contiguous chunk of a
 sequence's context and all query heads of one KV head as a [BLOCK_H, head_dim] tile (group
-padded to >= 16 rows for tl.dot), so each K/V tile is read from memory once per group. It
-writes the chunk's normalised output and log-sum-exp (base 2) to fp32 scratch:
+padded to >= 16 rows for tl.dot), so each K/V tile is read from memory once per group.
+One-warp programs (`one_warp`) take the group transposed, as the dots' N dimension (padded
+to 8 columns; kernels/paged.py attend_paged_range_t). It writes the chunk's normalised
+output and log-sum-exp (base 2) to fp32 scratch:
 
     partial_out [B, num_heads, num_splits, head_dim]    partial_lse [B, num_heads, num_splits]
 
@@ -34,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged import (FP8_MAX, attend_paged_range, check_kv_dtype, check_out_dtype,
-                           dot_dtype, finish_output, load_kv_scales, widen_by_ptx)
+from kernels.paged import (FP8_MAX, attend_paged_range, attend_paged_range_t, check_kv_dtype,
+                           check_out_dtype, dot_dtype, finish_output, load_kv_scales,
+                           widen_by_ptx)
 from kernels.pdl import pdl_args, wait_for_inputs
 
 # Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
@@ -67,10 +70,13 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     KV_SCALED: tl.constexpr, V_PTX: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
     """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
     PartialLse is unused; stride_ps is 0. OUT_FP8: the output is fp8 in V's units
-    (kernels/paged.py finish_output); split partials are then in V's units too."""
+    (kernels/paged.py finish_output); split partials are then in V's units too.
+    TRANSPOSED: the query heads are the dots' N dimension (kernels/paged.py
+    attend_paged_range_t), for one-warp programs."""
     # KV heads vary fastest across programs: the group of programs that runs together reads
     # all heads of the same blocks, whose rows lie side by side in memory.
     wait_for_inputs(PDL)
@@ -86,26 +92,42 @@ def _decode_stage1_kernel(
     heads = kv_head * GROUP + offs_h
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     qk_scale, v_scale = load_kv_scales(KVScale, qk_scale, KV_SCALED)
-    q = dot_dtype(q, KV_SCALED)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     # Whole tiles first, unmasked; then the ragged last one, if any, masked.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     table_row = BlockTables + seq * stride_bt
-    acc, m_i, l_i = attend_paged_range(
-        acc, m_i, l_i, q, offs_h, KCache, VCache, table_row, kv_head * stride_ch, start,
-        full_end, qk_scale, stride_cb, stride_cs, offs_d, mask_d, PAGE_SIZE=PAGE_SIZE,
-        BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=False, V_PTX=V_PTX, LAZY=True)
-    acc, m_i, l_i = attend_paged_range(
-        acc, m_i, l_i, q, offs_h, KCache, VCache, table_row, kv_head * stride_ch, full_end,
-        end, qk_scale, stride_cb, stride_cs, offs_d, mask_d, PAGE_SIZE=PAGE_SIZE,
-        BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX, LAZY=True)
+    if TRANSPOSED:
+        q_t = tl.load(Q + seq * stride_qb + heads[None, :] * stride_qh + offs_d[:, None],
+                      mask=mask_d[:, None] & mask_h[None, :], other=0.0)
+        q_t = dot_dtype(q_t, KV_SCALED)
+        acc_t = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
+        acc_t, m_i, l_i = attend_paged_range_t(
+            acc_t, m_i, l_i, q_t, KCache, VCache, table_row, kv_head * stride_ch, start,
+            full_end, qk_scale, stride_cb, stride_cs, offs_d, mask_d, PAGE_SIZE=PAGE_SIZE,
+            BLOCK_N=BLOCK_N, BOUNDS=False, V_PTX=V_PTX)
+        acc_t, m_i, l_i = attend_paged_range_t(
+            acc_t, m_i, l_i, q_t, KCache, VCache, table_row, kv_head * stride_ch, full_end,
+            end, qk_scale, stride_cb, stride_cs, offs_d, mask_d, PAGE_SIZE=PAGE_SIZE,
+            BLOCK_N=BLOCK_N, BOUNDS=True, V_PTX=V_PTX)
+        out = tl.trans(acc_t / l_i[None, :])
+    else:
+        q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        q = dot_dtype(q, KV_SCALED)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        acc, m_i, l_i = attend_paged_range(
+            acc, m_i, l_i, q, offs_h, KCache, VCache, table_row, kv_head * stride_ch, start,
+            full_end, qk_scale, stride_cb, stride_cs, offs_d, mask_d, PAGE_SIZE=PAGE_SIZE,
+            BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=False, V_PTX=V_PTX, LAZY=True)
+        acc, m_i, l_i = attend_paged_range(
+            acc, m_i, l_i, q, offs_h, KCache, VCache, table_row, kv_head * stride_ch,
+            full_end, end, qk_scale, stride_cb, stride_cs, offs_d, mask_d,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX,
+            LAZY=True)
+        out = acc / l_i[:, None]
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-    out = acc / l_i[:, None]
     if DIRECT or not OUT_FP8:       # split fp8 partials are clamped once merged (stage 2)
         out = finish_output(out, v_scale, OUT_FP8)
     tl.store(part + offs_d[None, :], out.to(PartialOut.dtype.element_ty),
@@ -173,6 +195,7 @@ ONE_WARP_MIN_SEQ_HEADS = 1024
 ONE_WARP_MIN_SPLIT_HEADS = 128
 ONE_WARP_CONTEXT = 1024
 FP8_PROGRAMS_PER_SM = 7.0
+ONE_WARP_SHORT_TILE_PROGRAMS = 2048     # `_block_n`: 16-token tiles from this many programs
 
 
 def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool:
@@ -199,13 +222,19 @@ def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool
 
 def _block_n(head_dim: int, fp8: bool, single_warp: bool, programs: int, num_sms: int) -> int:
     """Tokens per K/V tile. 16-bit: 64 (32 past head_dim 128, for registers). One-warp fp8
-    programs: 32. Otherwise an fp8 tile of 128 tokens holds the bytes of a 16-bit tile of
+    programs (transposed): 16 from 2048 programs, where 16 tokens need 120 registers a
+    thread against 32's 168 and more programs fit an SM (256 x 1k on an H200, as the graphs
+    launch it: 163.1 against 164.9 us, 88.4 / 91.0 at 256 x 512; with shuffled pages 161.7
+    / 184.8: bench/results/attn_diag_transposed_h200.json, decode_fp8_t_h200.json), else 32
+    (128 x 1k: 89.0 against 113.0 us). Otherwise an fp8 tile of 128 tokens holds the bytes of a 16-bit tile of
     64, and once V is widened in registers (kernels/paged.py) 128 is the faster on an H200
     while more than ~4 programs per SM queue up, 64 below that, where each program's chain
     of tiles is the critical path (1k context: 187 against 205 us at batch 256, 101 / 108 at
     128, 66 / 59 at 64; bench/decode_fp8_variants.py `v_asm`). An H100 agrees at 256
     (217 / 221 us) and 64 (66 / 74-87) but not at 128 (122 / 118:
     bench/results/attn_diag_occupancy_h100x1.json); the rule follows the H200."""
+    if single_warp and programs >= ONE_WARP_SHORT_TILE_PROGRAMS:
+        return 16
     if head_dim > 128 or single_warp:
         return 32
     if not fp8:
@@ -218,13 +247,14 @@ def decode_attention(
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int = 3, kv_scale: torch.Tensor | None = None,
-    maxnreg: int | None = None,
+    maxnreg: int | None = None, transposed: bool | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single query token to its paged context (module docstring).
 
     max_seq_len (a host int) sizes the split count and programs without a device sync; the
     tuning knobs num_splits / block_n / num_warps / num_stages / maxnreg (a cap on registers
-    per thread, so more programs fit an SM) default to the launcher's own choice.
+    per thread, so more programs fit an SM) / transposed (the heads as the dots' N
+    dimension) default to the launcher's own choice.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -243,10 +273,12 @@ def decode_attention(
                                        FP8_PROGRAMS_PER_SM if single else PROGRAMS_PER_SM)
     block_n = block_n or _block_n(head_dim, fp8, single, batch * num_kv_heads * num_splits, sms)
     num_warps = num_warps or (1 if single else 4)
+    transposed = single if transposed is None else transposed
     block_d = triton.next_power_of_2(head_dim)
     group = num_heads // num_kv_heads
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-                BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+                BLOCK_H=max(8 if transposed else 16, triton.next_power_of_2(group)),
+                BLOCK_D=block_d, TRANSPOSED=transposed,
                 BLOCK_N=block_n, KV_SCALED=kv_scale is not None,
                 V_PTX=kv_scale is not None and widen_by_ptx(q.device), OUT_FP8=out_fp8,
                 num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),

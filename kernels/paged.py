@@ -203,3 +203,46 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def attend_paged_range_t(acc_t, m_i, l_i, q_t, KCache, VCache, table_row, head_offset, start,
+                         end, qk_scale, stride_block, stride_slot, offs_d, mask_d,
+                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr,
+                         V_PTX: tl.constexpr = False):
+    """`attend_paged_range` (LAZY, no CAUSAL) with the query rows as the dots' N dimension:
+    S^T = K q^T [BLOCK_N, M] and O^T = V^T P^T, so q_t is [BLOCK_D, M] and acc_t
+    [BLOCK_D, M]; m_i and l_i are [M].
+
+    An mma.sync tile is 16 rows by 8 columns: a group of 4 query heads as rows fills a
+    quarter of each tile, as columns half. A one-warp decode program then needs half the
+    MMAs, half the accumulator registers and half the softmax work (168 registers a thread
+    against 226), so more programs fit an SM (kernels/decode_attention.py `one_warp`).
+    """
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        rows = head_offset + paged_token_offsets(table_row, offs_n, mask_n, stride_block,
+                                                 stride_slot, PAGE_SIZE)
+        ptrs = rows[:, None] + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(q_t.dtype)
+        v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
+        if V_PTX:
+            v = widen_e4m3(v, True)
+        else:
+            v = v.to(q_t.dtype)
+        s_t = tl.dot(k, q_t) * qk_scale
+        if BOUNDS:
+            s_t = tl.where(mask_n[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, 0))
+        if tl.max(m_new - m_i, 0) > LAZY_LOG2:     # as attend_paged_range's LAZY
+            alpha = tl.exp2(m_i - m_new)
+            acc_t = acc_t * alpha[None, :]
+            l_i = l_i * alpha
+            m_i = m_new
+        p_t = tl.exp2(s_t - m_i[None, :])
+        acc_t = tl.dot(tl.trans(v), p_t.to(v.dtype), acc_t)
+        l_i = l_i + tl.sum(p_t, 0)
+    return acc_t, m_i, l_i
+

@@ -12,7 +12,8 @@ INTERPRETED = use_interpreter_without_gpu()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.decode_attention import choose_num_splits, decode_attention, one_warp  # noqa: E402
+from kernels.decode_attention import (_block_n, choose_num_splits,  # noqa: E402
+                                      decode_attention, one_warp)
 from pd_cluster.cuda_graphs import context_caps  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.reference import decode_attention_ref, paged_attention_ref  # noqa: E402
@@ -71,19 +72,21 @@ def check_prefill(cached_and_new, block_size, num_heads, num_kv_heads, head_dim,
     (128, 16, 4, 2, 64, None),  # launcher picks the split count
     (64, 16, 8, 2, 32, 1),     # one split: stage 1 writes the output, no stage 2
 ])
+@pytest.mark.parametrize("transposed", [False, True])   # heads as the dots' M or N
 def test_decode_attention_matches_reference(head_dim, block_size, num_heads, num_kv_heads,
-                                            block_n, num_splits):
+                                            block_n, num_splits, transposed):
     check_decode([1, 37, 100, 70], block_size, num_heads, num_kv_heads, head_dim,
-                 block_n=block_n, num_splits=num_splits)
+                 block_n=block_n, num_splits=num_splits, transposed=transposed)
 
 
 # Scores that climb along the context (slope > 0: the running max grows by more than the
 # kernel's lazy-rescale threshold within a tile, or only across several) or fall (slope < 0:
 # the first tile's max stands to the end).
 # An fp8 cache also widens p to float16 for P @ V, which the threshold keeps finite.
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("slope", [0.25, 1.0, -0.5])
-def test_decode_attention_follows_a_max_that_moves_along_the_context(slope, fp8):
+def test_decode_attention_follows_a_max_that_moves_along_the_context(slope, fp8, transposed):
     seq_lens, block_size, head_dim = [100, 61], 16, 64
     k_cache, v_cache, table = paged_kv(seq_lens, block_size, 2, head_dim)
     q = torch.zeros(len(seq_lens), 8, head_dim, dtype=DTYPE, device=DEVICE)
@@ -101,7 +104,8 @@ def test_decode_attention_follows_a_max_that_moves_along_the_context(slope, fp8)
     scale = head_dim ** -0.5
     for num_splits in (1, 2):
         out = decode_attention(q, k_cache, v_cache, table, lens, scale, max(seq_lens),
-                               block_n=16, num_splits=num_splits, kv_scale=kv_scale)
+                               block_n=16, num_splits=num_splits, kv_scale=kv_scale,
+                               transposed=transposed)
         ref = decode_attention_ref(q, k_cache, v_cache, table, lens, scale, kv_scale)
         tol = 1e-3 if fp8 and INTERPRETED else TOL     # p in float16 (tests/test_fp8_kv.py)
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
@@ -123,6 +127,9 @@ def test_fp8_decode_takes_one_warp_programs_for_many_heads_or_long_contexts():
     assert not one_warp(head_dim=128, fp8=True, seq_heads=8 * 8, max_seq_len=4096)
     assert not one_warp(head_dim=128, fp8=False, seq_heads=256 * 8, max_seq_len=4096)
     assert not one_warp(head_dim=256, fp8=True, seq_heads=256 * 8, max_seq_len=4096)
+    # one-warp tiles: 16 tokens from 2048 programs (fewer registers), else 32
+    assert _block_n(128, fp8=True, single_warp=True, programs=256 * 8, num_sms=132) == 16
+    assert _block_n(128, fp8=True, single_warp=True, programs=128 * 8, num_sms=132) == 32
 
 
 # (cached prefix, new tokens) per sequence: a fresh prompt, chunks after cached prefixes
