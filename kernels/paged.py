@@ -44,6 +44,11 @@ The same kernel reads a bf16 cache at 3.4-4.4 TB/s and an fp8 one at 2.2-3.3. Ns
 (bench/results/attn_ncu_h200.json): the one-warp fp8 programs are latency-bound, 8 per SM at
 220 registers a thread, no warp ready 68 % of cycles with DRAM 55 % busy.
 
+One-warp decode programs compute transposed (`attend_paged_range_t`): the query group as the
+dots' N dimension halves their MMAs and accumulator, 4-14 % off on an H200. Over V pages
+stored transposed as well (no float16 copy of V in shared memory) they were slower: an fp8
+page's head_dim rows are 16 bytes (bench/decode_fp8_t.py --vt).
+
 V is widened four e4m3 per inline-asm call, from the 32-bit register that holds them: with two
 per call Triton rebuilt each pair from single bytes (a PRMT, a shift and an OR per value).
 That, masks on the ragged last tile only and the lazy rescale (`attend_paged_range` LAZY) cut
