@@ -38,9 +38,10 @@ def _silu_and_mul_kernel(GateUp, Out, Scale, stride_g, stride_o, INTER: tl.const
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False):
+def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False, num_warps: int | None = None):
     """silu(gate) * up for gate_up [T, 2 * I]: a new [T, I] tensor, or with `quantize`
-    (out [T, I] e4m3, scale [T, 1] float32)."""
+    (out [T, I] e4m3, scale [T, 1] float32). num_warps (a tuning knob) defaults to the
+    launcher's choice."""
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(-1) == 1
     assert not quantize or inter <= QUANT_MAX_INTER, f"rows of {inter} are too long to fuse"
@@ -54,5 +55,6 @@ def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False):
         _silu_and_mul_kernel[grid](gate_up, out, out if scale is None else scale,
                                    gate_up.stride(0), out.stride(0), INTER=inter, BLOCK=block,
                                    QUANT=quantize, **pdl_args(gate_up.device),
-                                   num_warps=min(16, max(4, block // 1024)) if quantize else 4)
+                                   num_warps=num_warps or (min(16, max(4, block // 1024))
+                                                           if quantize else 4))
     return out if scale is None else (out, scale)
