@@ -155,11 +155,13 @@ def test_widening_gives_every_e4m3_value_exactly(ptx):
 
 
 @pytest.mark.gpu
-# 24: split into chunks; 64 / 96: 64- and 128-token tiles; 160: one-warp programs (1280
-# sequence-heads)
-@pytest.mark.parametrize("batch", [24, 64, 96, 160])
-def test_decode_kernel_reads_fp8_at_real_shapes(batch):
-    seq_lens = torch.randint(1, 4097, (batch,)).tolist()
+# The launcher's programs (kernels/decode_attention.py): 64 x <= 1k tokens: 4 warps; 24 / 96
+# past 1k: one warp, transposed, in splits; 160: one warp, one split; 256: one warp over
+# 16-token tiles (2048 programs)
+@pytest.mark.parametrize("batch,max_len", [(24, 4096), (64, 1024), (96, 4096), (160, 4096),
+                                           (256, 4096)])
+def test_decode_kernel_reads_fp8_at_real_shapes(batch, max_len):
+    seq_lens = torch.randint(1, max_len + 1, (batch,)).tolist()
     heads, kv_heads, head_dim = 32, 8, 128
     (k, v), (k8, v8), table = fp8_caches(seq_lens, 16, kv_heads, head_dim)
     q = torch.randn(batch, heads, head_dim, dtype=DTYPE, device=DEVICE)
