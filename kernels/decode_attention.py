@@ -95,7 +95,7 @@ def _decode_stage1_kernel(
     qk_scale, v_scale = load_kv_scales(KVScale, qk_scale, KV_SCALED)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    # Whole tiles first, unmasked; then the ragged last one, if any, masked.
+    # Whole tiles first, their scores unmasked; then the ragged last one, if any, masked.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     table_row = BlockTables + seq * stride_bt
     if TRANSPOSED:
