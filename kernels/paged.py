@@ -152,6 +152,29 @@ def widen_e4m3(x, PTX: tl.constexpr):
 
 
 @triton.jit
+def load_kv_tile(KCache, VCache, table_row, head_offset, n0, end, stride_block, stride_slot,
+                 offs_d, mask_d, DTYPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, V_PTX: tl.constexpr):
+    """The K and V tiles [BLOCK_N, BLOCK_D] of positions n0 .. n0 + BLOCK_N of one sequence
+    (0 past `end`) in DTYPE, the dots' dtype: fp8 tiles are widened (callers pass q as
+    float16 then, see dot_dtype; V by `widen_e4m3` with V_PTX), a cache in q's dtype is as
+    loaded. Also returns the positions and their mask (< end)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    rows = head_offset + paged_token_offsets(table_row, offs_n, mask_n, stride_block,
+                                             stride_slot, PAGE_SIZE)
+    ptrs = rows[:, None] + offs_d[None, :]
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(DTYPE)
+    v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
+    if V_PTX:
+        v = widen_e4m3(v, True)
+    else:
+        v = v.to(DTYPE)
+    return k, v, offs_n, mask_n
+
+
+@triton.jit
 def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_offset,
                        start, end, qk_scale, stride_block, stride_slot, offs_d, mask_d,
                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr,
@@ -167,20 +190,9 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
     one KV head's group, which is how GQA reads the cache once per group.
     """
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        rows = head_offset + paged_token_offsets(table_row, offs_n, mask_n, stride_block,
-                                                 stride_slot, PAGE_SIZE)
-        ptrs = rows[:, None] + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        # .to(q.dtype): fp8 tiles widened for tl.dot (callers pass q as float16 then, see
-        # dot_dtype); a no-op for a cache in q's dtype.
-        k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
-        if V_PTX:
-            v = widen_e4m3(v, True)
-        else:
-            v = v.to(q.dtype)
+        k, v, offs_n, mask_n = load_kv_tile(KCache, VCache, table_row, head_offset, n0, end,
+                                            stride_block, stride_slot, offs_d, mask_d,
+                                            q.dtype, PAGE_SIZE, BLOCK_N, V_PTX)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         if BOUNDS:
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -225,18 +237,9 @@ def attend_paged_range_t(acc_t, m_i, l_i, q_t, KCache, VCache, table_row, head_o
     against 226), so more programs fit an SM (kernels/decode_attention.py `one_warp`).
     """
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        rows = head_offset + paged_token_offsets(table_row, offs_n, mask_n, stride_block,
-                                                 stride_slot, PAGE_SIZE)
-        ptrs = rows[:, None] + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KCache + ptrs, mask=kv_mask, other=0.0).to(q_t.dtype)
-        v = tl.load(VCache + ptrs, mask=kv_mask, other=0.0)
-        if V_PTX:
-            v = widen_e4m3(v, True)
-        else:
-            v = v.to(q_t.dtype)
+        k, v, offs_n, mask_n = load_kv_tile(KCache, VCache, table_row, head_offset, n0, end,
+                                            stride_block, stride_slot, offs_d, mask_d,
+                                            q_t.dtype, PAGE_SIZE, BLOCK_N, V_PTX)
         s_t = tl.dot(k, q_t) * qk_scale
         if BOUNDS:
             s_t = tl.where(mask_n[:, None], s_t, float("-inf"))
