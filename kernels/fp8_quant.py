@@ -42,8 +42,9 @@ def quantize_row(x):
 @triton.jit
 def _per_token_quant_kernel(X, XQ, Scale, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
                             MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                            ONE_PASS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
+                            ONE_PASS: tl.constexpr, PDL: tl.constexpr,
+                            RELEASE: tl.constexpr):
+    wait_for_inputs(PDL, RELEASE)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row, q_row = X + row * stride_x, XQ + row * stride_q
@@ -86,7 +87,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                       FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block,
                                       ONE_PASS=one_pass,
                                       num_warps=min(16, max(4, block // 1024)),
-                                      **pdl_args(x.device))
+                                      **pdl_args(x.device, t))
     return xq, scale
 
 
