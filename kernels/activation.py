@@ -23,9 +23,8 @@ QUANT_MAX_INTER = 16384     # Llama-3-8B's 14336 per rank; larger rows are not f
 
 @triton.jit
 def _silu_and_mul_kernel(GateUp, Out, Scale, stride_g, stride_o, INTER: tl.constexpr,
-                         BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
-                         RELEASE: tl.constexpr):
-    wait_for_inputs(PDL, RELEASE)
+                         BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -55,7 +54,7 @@ def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False, num_warps: int |
         grid = (num_tokens, triton.cdiv(inter, block))
         _silu_and_mul_kernel[grid](gate_up, out, out if scale is None else scale,
                                    gate_up.stride(0), out.stride(0), INTER=inter, BLOCK=block,
-                                   QUANT=quantize, **pdl_args(gate_up.device, num_tokens),
+                                   QUANT=quantize, **pdl_args(gate_up.device),
                                    num_warps=num_warps or (min(16, max(4, block // 1024))
                                                            if quantize else 4))
     return out if scale is None else (out, scale)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -39,7 +38,7 @@ import triton.language as tl
 
 from kernels.paged import (FP8_MAX, attend_paged_range, attend_paged_range_t, check_kv_dtype,
                            check_out_dtype, dot_dtype, finish_output, load_kv_scales,
-                           prefetch_kv, widen_by_ptx)
+                           widen_by_ptx)
 from kernels.pdl import pdl_args, wait_for_inputs
 
 # Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
@@ -71,27 +70,21 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     KV_SCALED: tl.constexpr, V_PTX: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr,
-    TRANSPOSED: tl.constexpr, RELEASE: tl.constexpr, PREFETCH_N: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
     """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
     PartialLse is unused; stride_ps is 0. OUT_FP8: the output is fp8 in V's units
     (kernels/paged.py finish_output); split partials are then in V's units too.
     TRANSPOSED: the query heads are the dots' N dimension (kernels/paged.py
-    attend_paged_range_t), for one-warp programs. PREFETCH_N > 0: before waiting for q, ask
-    L2 for the chunk's first PREFETCH_N positions (the cache, block table and lengths are
-    not the kernel before's to write, but for the new token's row, which L2 keeps coherent)."""
+    attend_paged_range_t), for one-warp programs."""
     # KV heads vary fastest across programs: the group of programs that runs together reads
     # all heads of the same blocks, whose rows lie side by side in memory.
+    wait_for_inputs(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SeqLens + seq)
     chunk = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    table_row = BlockTables + seq * stride_bt
-    if PREFETCH_N > 0:
-        prefetch_kv(KCache, VCache, table_row, kv_head * stride_ch, start, end, stride_cb,
-                    stride_cs, PAGE_SIZE, PREFETCH_N, BLOCK_D)
-    wait_for_inputs(PDL, RELEASE)
     if start >= end:
         return
     offs_h = tl.arange(0, BLOCK_H)
@@ -104,6 +97,7 @@ def _decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     # Whole tiles first, their scores unmasked; then the ragged last one, if any, masked.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    table_row = BlockTables + seq * stride_bt
     if TRANSPOSED:
         q_t = tl.load(Q + seq * stride_qb + heads[None, :] * stride_qh + offs_d[:, None],
                       mask=mask_d[:, None] & mask_h[None, :], other=0.0)
@@ -150,9 +144,9 @@ def _decode_stage2_kernel(
     PartialOut, PartialLse, SeqLens, Out, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    OUT_FP8: tl.constexpr, PDL: tl.constexpr, RELEASE: tl.constexpr,
+    OUT_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL, RELEASE)
+    wait_for_inputs(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(SeqLens + seq)
     used_splits = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
@@ -202,7 +196,6 @@ ONE_WARP_MIN_SPLIT_HEADS = 128
 ONE_WARP_CONTEXT = 1024
 FP8_PROGRAMS_PER_SM = 7.0
 ONE_WARP_SHORT_TILE_PROGRAMS = 2048     # `_block_n`: 16-token tiles from this many programs
-PREFETCH_TILES = 2                      # `prefetch_tokens`
 
 
 def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool:
@@ -249,14 +242,6 @@ def _block_n(head_dim: int, fp8: bool, single_warp: bool, programs: int, num_sms
     return 128 if programs > 4 * num_sms else 64
 
 
-def prefetch_tokens(block_n: int, pdl: dict) -> int:
-    """Stage 1's PREFETCH_N: with RELEASE (small batches, kernels/pdl.py), its programs are
-    resident before q is ready and ask L2 for their first PREFETCH_TILES tiles meanwhile."""
-    if not pdl["RELEASE"] or os.environ.get("PD_CLUSTER_PREFETCH", "1") == "0":
-        return 0
-    return block_n * int(os.environ.get("PD_CLUSTER_PREFETCH_TILES", PREFETCH_TILES))
-
-
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
@@ -291,14 +276,12 @@ def decode_attention(
     transposed = single if transposed is None else transposed
     block_d = triton.next_power_of_2(head_dim)
     group = num_heads // num_kv_heads
-    pdl = pdl_args(q.device, batch)
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                 BLOCK_H=max(8 if transposed else 16, triton.next_power_of_2(group)),
                 BLOCK_D=block_d, TRANSPOSED=transposed,
                 BLOCK_N=block_n, KV_SCALED=kv_scale is not None,
                 V_PTX=kv_scale is not None and widen_by_ptx(q.device), OUT_FP8=out_fp8,
-                num_warps=num_warps, num_stages=num_stages, **pdl,
-                PREFETCH_N=prefetch_tokens(block_n, pdl),
+                num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
                 **({} if maxnreg is None else {"maxnreg": maxnreg}))
     stage1 = functools.partial(
         _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,
@@ -320,5 +303,5 @@ def decode_attention(
         partial_out, partial_lse, seq_lens, out, num_splits,
         *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, OUT_FP8=out_fp8, num_warps=4,
-        **pdl)
+        **pdl_args(q.device))
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.linear import _linear_kernel, prefetch_args
+from kernels.linear import _linear_kernel
 from kernels.pdl import pdl_args
 
 FP8 = torch.float8_e4m3fn
@@ -73,13 +73,11 @@ def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
     block_n, block_k = block_n or default_n, block_k or default_k
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    pdl = pdl_args(xq.device, m)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](xq, w8, y, m, n, k, xq.stride(0), w8.stride(0), y.stride(0), x_scale,
                          x_scale.stride(0), w_scale, SCALED=True, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-                         num_stages=num_stages or default_stages, **pdl,
-                         **prefetch_args(n, k, 1, pdl))
+                         num_stages=num_stages or default_stages, **pdl_args(xq.device))
     return y
 
 

@@ -42,9 +42,8 @@ def quantize_row(x):
 @triton.jit
 def _per_token_quant_kernel(X, XQ, Scale, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
                             MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                            ONE_PASS: tl.constexpr, PDL: tl.constexpr,
-                            RELEASE: tl.constexpr):
-    wait_for_inputs(PDL, RELEASE)
+                            ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row, q_row = X + row * stride_x, XQ + row * stride_q
@@ -87,7 +86,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                       FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block,
                                       ONE_PASS=one_pass,
                                       num_warps=min(16, max(4, block // 1024)),
-                                      **pdl_args(x.device, t))
+                                      **pdl_args(x.device))
     return xq, scale
 
 

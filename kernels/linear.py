@@ -19,44 +19,31 @@ warm-up runs, never inside a capture), and a shape never measured takes cuBLAS.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, prefetch_l2, wait_for_inputs
+from kernels.pdl import pdl_args, wait_for_inputs
 
 # Above this cuBLAS won every shape measured (bench/gemm_bench.py, H200, M = 128 and 256),
 # so larger batches are not even timed.
 MAX_ROWS = 64
-# Weight bytes a GEMM asks L2 for before its input is ready (`prefetch_args`): H100 and
-# H200 have 50 MB of L2.
-PREFETCH_BYTES = 32 << 20
 
 
 @triton.jit
 def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, XS, stride_xs, WS,
                    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr, RELEASE: tl.constexpr,
-                   PREFETCH_K: tl.constexpr, PREFETCH_STEP: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """SCALED: x and w are FP8 with per-row scales XS [M] (stride_xs apart: 0 for one scale
     shared by every row) and WS [N] (kernels/fp8_linear.py), applied once to the float32
-    accumulator. PREFETCH_K > 0: before waiting for x, ask L2 for the first PREFETCH_K
-    columns of this program's weight rows, one line per PREFETCH_STEP elements (a program
-    released early by the kernel before streams part of its weight meanwhile)."""
+    accumulator."""
+    wait_for_inputs(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    if PREFETCH_K > 0:
-        cols = tl.arange(0, PREFETCH_K // PREFETCH_STEP) * PREFETCH_STEP
-        rows = tl.where(mask_n, offs_n, 0).to(tl.int64) * stride_wn
-        prefetch_l2(W + rows[:, None] + cols[None, :])
-    wait_for_inputs(PDL, RELEASE)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
+    mask_m, mask_n = offs_m < M, offs_n < N
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -71,18 +58,6 @@ def _linear_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, XS, stride
         acc = acc * x_scale[:, None] * w_scale[None, :]
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-def prefetch_args(n: int, k: int, elem_bytes: int, pdl: dict) -> dict:
-    """`_linear_kernel`'s PREFETCH_K / PREFETCH_STEP for an [n, k] weight: with RELEASE (the
-    kernels of small batches release the next at their start, kernels/pdl.py), the first
-    power-of-two columns of every row that keep the prefetched bytes within PREFETCH_BYTES,
-    a share of L2; else none."""
-    cols = 0
-    if pdl["RELEASE"] and os.environ.get("PD_CLUSTER_PREFETCH", "1") != "0":
-        budget = PREFETCH_BYTES // (n * elem_bytes)
-        cols = 1 << (min(k, budget).bit_length() - 1) if min(k, budget) >= 128 else 0
-    return {"PREFETCH_K": cols, "PREFETCH_STEP": 128 // elem_bytes}
 
 
 def tiles(k: int) -> tuple[int, int]:
@@ -102,11 +77,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, block_n: int | None = None,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     # Unscaled: the scale pointers are never read; x stands in.
-    pdl = pdl_args(x.device, m)
     _linear_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), x, 0, x,
                          SCALED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         num_warps=4, num_stages=num_stages, **pdl,
-                         **prefetch_args(n, k, w.element_size(), pdl))
+                         num_warps=4, num_stages=num_stages, **pdl_args(x.device))
     return y
 
 

@@ -62,8 +62,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import prefetch_l2
-
 FP8_MAX = tl.constexpr(448.0)   # the largest finite float8_e4m3fn: stores saturate to it
 LAZY_LOG2 = tl.constexpr(8.0)   # `attend_paged_range` LAZY: rescale once a max grows 256x
 
@@ -114,20 +112,6 @@ def paged_token_offsets(table_row, offs_n, mask_n, stride_block, stride_slot,
     """Element offsets [BLOCK_N] of positions offs_n of one sequence in a paged cache."""
     blocks = tl.load(table_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
     return blocks * stride_block + (offs_n % PAGE_SIZE) * stride_slot
-
-
-@triton.jit
-def prefetch_kv(KCache, VCache, table_row, head_offset, start, end, stride_block, stride_slot,
-                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Ask L2 (kernels/pdl.py prefetch_l2) for the K and V rows [BLOCK_D] of positions
-    start .. start + BLOCK_N of one sequence; positions from `end` on ask for block 0's.
-    One request per 64 elements: a 16-bit row's 128-byte lines (an fp8 row's line twice)."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    rows = head_offset + paged_token_offsets(table_row, offs_n, offs_n < end, stride_block,
-                                             stride_slot, PAGE_SIZE)
-    cols = tl.arange(0, BLOCK_D // 64) * 64
-    prefetch_l2(KCache + rows[:, None] + cols[None, :])
-    prefetch_l2(VCache + rows[:, None] + cols[None, :])
 
 
 @triton.jit

@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-RELEASE_MAX_ROWS = 64
-
 
 @functools.lru_cache(maxsize=None)
 def use_pdl(device: torch.device) -> bool:
@@ -34,33 +32,14 @@ def use_pdl(device: torch.device) -> bool:
             and os.environ.get("PD_CLUSTER_PDL", "1") != "0")
 
 
-def release_max_rows() -> int:
-    """Rows (tokens) up to which kernels release the next kernel at their start."""
-    return int(os.environ.get("PD_CLUSTER_PDL_RELEASE_ROWS", RELEASE_MAX_ROWS))
-
-
-def pdl_args(device: torch.device, rows: int | None = None) -> dict:
-    """The launch keywords of a PDL kernel: its PDL and RELEASE constexprs and Triton's
-    launch option. RELEASE for a kernel over at most `release_max_rows()` rows."""
+def pdl_args(device: torch.device) -> dict:
+    """The launch keywords of a PDL kernel: its PDL constexpr and Triton's launch option."""
     pdl = use_pdl(device)
-    release = pdl and rows is not None and rows <= release_max_rows()
-    return {"PDL": pdl, "RELEASE": release, "launch_pdl": pdl}
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 @triton.jit
-def wait_for_inputs(PDL: tl.constexpr, RELEASE: tl.constexpr = False):
-    """The first statement of a PDL kernel (module docstring), after any `prefetch_l2` of
-    what the kernel before does not write; nothing without PDL. RELEASE first lets the next
-    kernel launch."""
+def wait_for_inputs(PDL: tl.constexpr):
+    """The first statement of a PDL kernel (module docstring); nothing without PDL."""
     if PDL:
-        if RELEASE:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines holding `ptrs` (any shape; no fault, no wait, no
-    register written back). Only on a GPU (inline PTX): callers pass PDL-gated constexprs."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)

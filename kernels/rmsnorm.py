@@ -25,9 +25,9 @@ def _rms_norm_kernel(
     X, Residual, ResidualOut, Weight, Out, Scale, eps,
     stride_x, stride_r, stride_ro, stride_o,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    QUANT: tl.constexpr, PDL: tl.constexpr, RELEASE: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL, RELEASE)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -61,7 +61,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor, residual_out: torch.Tensor,
         x, residual, residual_out, weight, out, weight if scale is None else scale, eps,
         x.stride(0), residual.stride(0), residual_out.stride(0), out.stride(0),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual, QUANT=scale is not None,
-        num_warps=min(max(block // 256, 1), 16), **pdl_args(x.device, x.shape[0]))
+        num_warps=min(max(block // 256, 1), 16), **pdl_args(x.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):

@@ -80,9 +80,8 @@ def _rope_store_kv_kernel(
     HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_TAIL: tl.constexpr, KV_SCALED: tl.constexpr, PDL: tl.constexpr,
-    RELEASE: tl.constexpr,
 ):
-    wait_for_inputs(PDL, RELEASE)
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_HALF)[None, :]
@@ -131,7 +130,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_TAIL=triton.next_power_of_2(max(1, head_dim - 2 * half)),
-        KV_SCALED=kv_scale is not None, **pdl_args(q.device, num_tokens))
+        KV_SCALED=kv_scale is not None, **pdl_args(q.device))
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_pos: int) -> torch.Tensor:
