@@ -11,8 +11,12 @@ off then on, twice each; bench/engine_bench.py): batch 64 4.87 / 4.95 -> 4.83 / 
 batch 256 11.30 / 11.34 -> 11.21 / 11.28 ms. Letting each kernel release the next at its
 start as well (griddepcontrol.launch_dependents) gained more at batch 64 (4.88 -> 4.76 ms)
 but lost at 256 (11.25 -> 11.35 ms: the next kernel's waiting programs hold SM slots the
-current one's later waves need), so kernels do not. `PD_CLUSTER_PDL=0` in the environment
-turns PDL off (for comparison).
+current one's later waves need), so kernels do not. Nor does releasing at batch <= 256 pay
+on today's kernels, with or without GEMMs and decode attention asking L2 for their weights
+and first KV tiles while they wait (H200, batch 64 / 128 / 256: 4.73 / 6.46 / 10.41 ms a
+step -> 4.88 / 6.82 / 10.60 releasing, 4.86 / 7.04 / 10.97 prefetching too;
+bench/results/pdl_release_prefetch_h200_*.json). `PD_CLUSTER_PDL=0` in the environment turns
+PDL off (for comparison).
 """
 from __future__ import annotations
 
