@@ -29,19 +29,23 @@ INTERVAL_S = 4.0
 # SLOs that the 2-core machine meets with room to spare under one phase's load and misses
 # under the other's (measured: see the planner log the test prints on failure).
 TTFT_MS, TPOT_MS = 3000.0, 150.0
+# No prefix cache, so clients may repeat prompts and still load the engines as distinct ones
+# would (tests/test_pool_changes.py checks that a role change empties the prefix cache).
 ARGS = {"mode": "disaggregated", "num_prefill": 2, "num_decode": 2,
-        "engine": {"model": "default", "kv_cache_memory_gb": 0.25, "max_num_seqs": 64},
+        "engine": {"model": "default", "kv_cache_memory_gb": 0.25, "max_num_seqs": 64,
+                   "enable_prefix_caching": False},
         "planner": {"enabled": True, "ttft_ms": TTFT_MS, "tpot_ms": TPOT_MS,
                     "percentile": 50, "interval_s": INTERVAL_S, "cooldown_s": 2 * INTERVAL_S,
                     "calm_intervals": 1000, "drain_timeout_s": 120}}
 NUM_CPUS = 6                      # Ray's accounting: 4 engines and a router; 2 real cores
 PHASE_S = 240.0                   # longest a phase may take to move the pools
 # Each distinct request is regenerated offline for the comparison (most of the module's time
-# on 2 cores): short outputs, few long prompts, and the decode-heavy clients share 4 prompt
-# sequences (its concurrency, not its prompts or output length, pushes TPOT over its SLO);
-# every prompt-heavy client has prompts of its own, none found in a prefix cache.
+# on 2 cores): short outputs, and the clients share prompt sequences. The decode-heavy
+# phase's concurrency, not its prompts or output length, pushes TPOT over its SLO; the
+# prompt-heavy clients all send the same long prompts, which with no prefix cache cost P as
+# much as distinct ones (regenerating a 900-token prompt takes ~5 s on one thread).
 DECODE_HEAVY = (32, 32, 20, 4)    # concurrency, max_tokens, prompt tokens, distinct prompts
-PROMPT_HEAVY = (4, 2, 900, 4)
+PROMPT_HEAVY = (4, 2, 900, 1)
 VOCAB = 49152
 
 
@@ -209,8 +213,9 @@ def test_removing_a_prefill_replica_while_requests_stream_fails_none(server: str
 
     async def main():
         async with httpx.AsyncClient(timeout=300) as client:
-            streams = [asyncio.ensure_future(complete(client, server, prompt_ids(5000 + i, 300),
-                                                      16)) for i in range(12)]
+            streams = [asyncio.ensure_future(complete(client, server,
+                                                      prompt_ids(5000 + i % 3, 300), 16))
+                       for i in range(12)]
             await asyncio.sleep(1.0)
             membership = await asyncio.to_thread(
                 lambda: controller().drain.remote("prefill", victim, 120.0).result(
