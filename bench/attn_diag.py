@@ -1,7 +1,7 @@
 """Diagnostics for decode attention over an FP8 cache (H100): where the time goes.
 
     PYTHONPATH=. python bench/attn_diag.py [--occupancy | --parallel | --registers | --rule |
-                                            --transposed]
+                                            --transposed | --buffers]
 
 Prints JSON: torch's read bandwidth at the same byte counts, the load-only floor across
 contexts (fixed cost per call), the shipped kernel across split counts, and a CUDA-graph
@@ -11,7 +11,8 @@ sweeps the shipped kernel's warps x register cap x stages x tile at four batch s
 --registers caps one-warp programs' registers (192 / 168 / 128) x splits x stages;
 --transposed times one-warp programs with the heads as the dots' N dimension (16/32/64-token
 tiles x ~7 or ~12 programs per SM) against 4-warp ones, batch 16-256 x context 128-4096;
---rule times the launcher's fp8 choice against the 4-warp one before it, batch 8-256 x
+--buffers times both cache dtypes at num_stages 3/5/7/9 (1/2/3/4 K/V tiles in flight) and
+several tile lengths; --rule times the launcher's fp8 choice against the 4-warp one before it, batch 8-256 x
 context 128-4096, sized as the engine's CUDA graphs size it (max_seq_len 4096).
 """
 from __future__ import annotations
@@ -106,6 +107,37 @@ def main() -> None:
                     **knobs))
                 row.setdefault(name + "_us", []).append(ms * 1e3)
             res["rule"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        print(json.dumps(res, indent=1))
+        return
+    if "--buffers" in sys.argv:      # deeper K/V prefetch: num_stages past the default 3
+        # Triton gives a page-table-indexed load (2 ops deep: table, then K/V) one shared-
+        # memory buffer at num_stages 2-4, two at 5-6, three at 7-8: the sweeps before tried
+        # 2-4 only. Both cache dtypes, as the engine's CUDA graphs launch them (--transposed).
+        res["buffers"] = []
+        for batch, ctx in PARALLEL_CASES:
+            cap = 1024 if ctx <= 1024 else 4096
+            q, k, v, table, lens = cache(batch, ctx)
+            table = torch.nn.functional.pad(table, (0, cap // BLK - table.shape[1]))
+            k16 = torch.randn(k.shape, device="cuda", dtype=torch.bfloat16)
+            v16 = torch.randn(k.shape, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            row = {"batch": batch, "context": ctx, "max_seq_len": cap}
+            for (dtype, kk, vv, sc), stages, bn in itertools.product(
+                    (("fp8", k, v, scale), ("bf16", k16, v16, None)), (3, 5, 7, 9),
+                    (None, 16, 32, 64)):
+                if dtype == "bf16" and bn not in (None, 32):
+                    continue
+                name = f"{dtype}_s{stages}" + (f"_n{bn}" if bn else "")
+                try:
+                    ms = triton.testing.do_bench(lambda: decode_attention(
+                        q, kk, vv, table, lens, D ** -0.5, cap, out=out, kv_scale=sc,
+                        num_stages=stages, block_n=bn))
+                except Exception as e:      # out of shared memory: say so
+                    row[name + "_error"] = repr(e)[:120]
+                    continue
+                row[name + "_us"] = round(ms * 1e3, 2)
+            res["buffers"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         print(json.dumps(res, indent=1))
         return

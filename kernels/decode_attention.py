@@ -195,7 +195,9 @@ ONE_WARP_MIN_SEQ_HEADS = 1024
 ONE_WARP_MIN_SPLIT_HEADS = 128
 ONE_WARP_CONTEXT = 1024
 FP8_PROGRAMS_PER_SM = 7.0
-ONE_WARP_SHORT_TILE_PROGRAMS = 2048     # `_block_n`: 16-token tiles from this many programs
+# One-warp programs prefetch two K/V tiles ahead: Triton gives a load whose address comes from
+# another load (the page table) one shared-memory buffer at num_stages 2-4, two at 5-6.
+ONE_WARP_STAGES = 5
 
 
 def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool:
@@ -222,19 +224,18 @@ def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool
 
 def _block_n(head_dim: int, fp8: bool, single_warp: bool, programs: int, num_sms: int) -> int:
     """Tokens per K/V tile. 16-bit: 64 (32 past head_dim 128, for registers). One-warp fp8
-    programs (transposed): 16 from 2048 programs, where 16 tokens need 120 registers a
-    thread against 32's 168 and more programs fit an SM (256 x 1k on an H200, as the graphs
-    launch it: 163.1 against 164.9 us, 88.4 / 91.0 at 256 x 512; with shuffled pages 161.7
-    / 184.8: bench/results/attn_diag_transposed_h200.json, decode_fp8_t_h200.json), else 32
-    (128 x 1k: 89.0 against 113.0 us). Otherwise an fp8 tile of 128 tokens holds the bytes of a 16-bit tile of
-    64, and once V is widened in registers (kernels/paged.py) 128 is the faster on an H200
-    while more than ~4 programs per SM queue up, 64 below that, where each program's chain
-    of tiles is the critical path (1k context: 187 against 205 us at batch 256, 101 / 108 at
-    128, 66 / 59 at 64; bench/decode_fp8_variants.py `v_asm`). An H100 agrees at 256
-    (217 / 221 us) and 64 (66 / 74-87) but not at 128 (122 / 118:
+    programs (transposed): 32, two tiles in flight (ONE_WARP_STAGES). Measured on an H200 as
+    the CUDA graphs launch it (bench/attn_diag.py --buffers,
+    bench/results/attn_diag_buffers_h200.json): 149 against 162 us at 256 x 1k and 277 / 308
+    at 256 x 2k, where 16-token tiles with one buffer were the fastest before (fewer registers,
+    more programs per SM: 163.1 against 164.9 us, attn_diag_transposed_h200.json); with two
+    buffers 16-token tiles are the slower (182 us). Otherwise an fp8 tile of 128 tokens holds
+    the bytes of a 16-bit tile of 64, and once V is widened in registers (kernels/paged.py)
+    128 is the faster on an H200 while more than ~4 programs per SM queue up, 64 below that,
+    where each program's chain of tiles is the critical path (1k context: 187 against 205 us
+    at batch 256, 101 / 108 at 128, 66 / 59 at 64; bench/decode_fp8_variants.py `v_asm`). An
+    H100 agrees at 256 (217 / 221 us) and 64 (66 / 74-87) but not at 128 (122 / 118:
     bench/results/attn_diag_occupancy_h100x1.json); the rule follows the H200."""
-    if single_warp and programs >= ONE_WARP_SHORT_TILE_PROGRAMS:
-        return 16
     if head_dim > 128 or single_warp:
         return 32
     if not fp8:
@@ -246,7 +247,8 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int = 3, kv_scale: torch.Tensor | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+    kv_scale: torch.Tensor | None = None,
     maxnreg: int | None = None, transposed: bool | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single query token to its paged context (module docstring).
@@ -254,7 +256,8 @@ def decode_attention(
     max_seq_len (a host int) sizes the split count and programs without a device sync; the
     tuning knobs num_splits / block_n / num_warps / num_stages / maxnreg (a cap on registers
     per thread, so more programs fit an SM) / transposed (the heads as the dots' N
-    dimension) default to the launcher's own choice.
+    dimension) default to the launcher's own choice: num_stages 3 (one K/V tile in flight),
+    ONE_WARP_STAGES for one-warp programs.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -273,6 +276,7 @@ def decode_attention(
                                        FP8_PROGRAMS_PER_SM if single else PROGRAMS_PER_SM)
     block_n = block_n or _block_n(head_dim, fp8, single, batch * num_kv_heads * num_splits, sms)
     num_warps = num_warps or (1 if single else 4)
+    num_stages = num_stages or (ONE_WARP_STAGES if single else 3)
     transposed = single if transposed is None else transposed
     block_d = triton.next_power_of_2(head_dim)
     group = num_heads // num_kv_heads

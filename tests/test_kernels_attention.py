@@ -127,8 +127,8 @@ def test_fp8_decode_takes_one_warp_programs_for_many_heads_or_long_contexts():
     assert not one_warp(head_dim=128, fp8=True, seq_heads=8 * 8, max_seq_len=4096)
     assert not one_warp(head_dim=128, fp8=False, seq_heads=256 * 8, max_seq_len=4096)
     assert not one_warp(head_dim=256, fp8=True, seq_heads=256 * 8, max_seq_len=4096)
-    # one-warp tiles: 16 tokens from 2048 programs (fewer registers), else 32
-    assert _block_n(128, fp8=True, single_warp=True, programs=256 * 8, num_sms=132) == 16
+    # one-warp tiles: 32 tokens at every batch (two in flight)
+    assert _block_n(128, fp8=True, single_warp=True, programs=256 * 8, num_sms=132) == 32
     assert _block_n(128, fp8=True, single_warp=True, programs=128 * 8, num_sms=132) == 32
 
 
