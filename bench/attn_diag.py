@@ -1,7 +1,7 @@
 """Diagnostics for decode attention over an FP8 cache (H100): where the time goes.
 
     PYTHONPATH=. python bench/attn_diag.py [--occupancy | --parallel | --registers | --rule |
-                                            --transposed | --buffers]
+                                            --transposed | --buffers | --chain]
 
 Prints JSON: torch's read bandwidth at the same byte counts, the load-only floor across
 contexts (fixed cost per call), the shipped kernel across split counts, and a CUDA-graph
@@ -11,7 +11,8 @@ sweeps the shipped kernel's warps x register cap x stages x tile at four batch s
 --registers caps one-warp programs' registers (192 / 168 / 128) x splits x stages;
 --transposed times one-warp programs with the heads as the dots' N dimension (16/32/64-token
 tiles x ~7 or ~12 programs per SM) against 4-warp ones, batch 16-256 x context 128-4096;
---buffers times both cache dtypes at num_stages 3/5/7/9 (1/2/3/4 K/V tiles in flight) and
+--chain times each launcher setting as a decode step runs it (32 calls over 32 caches in a
+CUDA graph); --buffers times both cache dtypes at num_stages 3/5/7/9 (1/2/3/4 K/V tiles in flight) and
 several tile lengths; --rule times the launcher's fp8 choice against the 4-warp one before it, batch 8-256 x
 context 128-4096, sized as the engine's CUDA graphs size it (max_seq_len 4096).
 """
@@ -67,6 +68,69 @@ def sweep(cases, grid, scale) -> list[dict]:
     return rows
 
 
+def chain_settings(batch: int, sms: int, cap: int) -> list[tuple[str, dict]]:
+    """--chain's grid: one-warp transposed programs (tile x stages x programs per SM), two-warp
+    ones, and the 4-warp programs (tile x stages), each with its split count."""
+    def splits(pps):
+        return choose_num_splits(batch * KVH, cap, sms, pps)
+    out = [("shipped", {})]
+    for bn, st, pps in itertools.product((16, 32, 64), (3, 5, 6, 7), (5, 7)):
+        out.append((f"w1_n{bn}_s{st}_p{pps}", dict(num_warps=1, transposed=True, block_n=bn,
+                                                  num_stages=st, num_splits=splits(pps))))
+    for bn, st in itertools.product((32, 64), (3, 5)):
+        out.append((f"w2_n{bn}_s{st}_p7", dict(num_warps=2, transposed=True, block_n=bn,
+                                               num_stages=st, num_splits=splits(7))))
+    for bn, st in itertools.product((64, 128), (3, 5)):
+        out.append((f"w4_n{bn}_s{st}", dict(num_warps=4, transposed=False, block_n=bn,
+                                            num_stages=st, num_splits=splits(3.5))))
+    return out
+
+
+def chain_sweep(scale) -> list[dict]:
+    """Each setting of `chain_settings` as the engine's decode graphs run attention: 32 calls
+    (one a layer, each over its own cache, so nothing stays in L2) captured in one CUDA graph,
+    contexts of ctx + 0..63 tokens, splits sized for max_model_len 4096; us per call.
+    Single calls vary by up to 20 % from run to run; a graph of 32 averages that out."""
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cap = 4096
+    for batch, ctx in PARALLEL_CASES:
+        layers = []
+        for _ in range(32):
+            q, k, v, table, lens = cache(batch, ctx + 64)
+            table = torch.nn.functional.pad(table, (0, cap // BLK - table.shape[1]))
+            lens = ctx + torch.randint(0, 64, (batch,), device="cuda", dtype=torch.int32)
+            layers.append((q, k, v, table, lens))
+        out = torch.empty_like(layers[0][0])
+        row = {"batch": batch, "context": ctx, "max_seq_len": cap}
+        for name, knobs in chain_settings(batch, sms, cap):
+            def step():
+                for q, k, v, table, lens in layers:
+                    decode_attention(q, k, v, table, lens, D ** -0.5, cap, out=out,
+                                     kv_scale=scale, **knobs)
+            try:
+                step()
+                g = torch.cuda.CUDAGraph()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    step()
+                    with torch.cuda.graph(g, stream=s):
+                        step()
+                torch.cuda.synchronize()
+                row[name] = round(triton.testing.do_bench(g.replay, rep=200) * 1e3 / 32, 2)
+            except Exception as e:      # out of shared memory or registers: say so
+                row[name] = repr(e)[:100]
+            g = None
+        best = min((v, k) for k, v in row.items() if isinstance(v, float))
+        row["best"] = best[1]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        layers = None
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "triton": triton.__version__}
     scale = torch.tensor([0.05, 0.05], device="cuda")
@@ -108,6 +172,10 @@ def main() -> None:
                 row.setdefault(name + "_us", []).append(ms * 1e3)
             res["rule"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+        print(json.dumps(res, indent=1))
+        return
+    if "--chain" in sys.argv:        # as a decode step runs it: 32 layers in one CUDA graph
+        res["chain"] = chain_sweep(scale)
         print(json.dumps(res, indent=1))
         return
     if "--buffers" in sys.argv:      # deeper K/V prefetch: num_stages past the default 3
