@@ -22,6 +22,8 @@ unquantized (W8A16) was 1.3-2.1x slower than this at M = 64; quantizing x inside
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -43,9 +45,26 @@ def takes(m: int, n: int) -> bool:
     return m <= 64 or (m <= 128 and n < 16384) or (m <= MAX_ROWS and n <= 4096)
 
 
-def tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
+def tiles(m: int, n: int, k: int, h200: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_stages), the fastest measured for each 8B shape (`takes`'s
-    source): wider tiles as M grows, narrow deep ones for long K, so every SM streams."""
+    source): wider tiles as M grows, narrow deep ones for long K, so every SM streams.
+
+    An H200 (`h200`), with 1.4x an H100's bandwidth, wants deeper pipelines at M <= 128
+    (bench/results/fp8_gemm_h200.json, fp8_gemm_stages_h200.json, us at M = 64: qkv 11.1
+    against 11.5, o 9.0 / 9.2, gate_up 33.4 / 35.0, down 19.9 / 20.5; at 128: o 10.1 / 10.6,
+    down 23.7 / 25.8); in the engine 0.7-1.0 % off the FP8 decode step at batch 64 and 128
+    (bench/results/engine_knobs_tiles_h200_*.json). An H100 keeps its own: the gate_up tile
+    is 0.6 % slower there, the deeper stages were never timed on it."""
+    if h200 and m <= 64:
+        if k >= 8192:
+            return 32, 256, 8
+        if n >= 16384:
+            return 128, 128, 4
+        return (64, 256, 5) if n >= 6000 else (32, 256, 6)
+    if h200 and m <= 128:
+        if k >= 8192:
+            return 64, 256, 5
+        return (128, 256, 4) if n >= 6000 else (64, 256, 5)
     if m <= 64:
         if k >= 8192:
             return 32, 512, 4
@@ -59,6 +78,12 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
     return 128, 256, 4
 
 
+@functools.lru_cache(maxsize=None)
+def is_h200(device: torch.device) -> bool:
+    """Whether `device` is an H200 (`tiles`)."""
+    return device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
+
+
 def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
                      w_scale: torch.Tensor, out_dtype: torch.dtype,
                      block_n: int | None = None, block_k: int | None = None,
@@ -69,7 +94,7 @@ def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
     n = w8.shape[0]
     assert xq.dtype == w8.dtype == FP8 and xq.stride(-1) == 1 and w8.is_contiguous()
     assert w8.shape[1] == k and x_scale.shape == (m, 1)
-    default_n, default_k, default_stages = tiles(m, n, k)
+    default_n, default_k, default_stages = tiles(m, n, k, is_h200(xq.device))
     block_n, block_k = block_n or default_n, block_k or default_k
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)

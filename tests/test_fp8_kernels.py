@@ -169,9 +169,13 @@ def test_small_m_kernel_has_tiles_for_every_shape_it_takes():
     # Llama-3.1-8B's decoder GEMMs (qkv, o, gate_up, down) at the batch sizes it takes.
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for m in (1, 64, 128, 256):
-            if takes(m, n):
-                block_n, block_k, stages = tiles(m, n, k)
-                assert block_n * block_k <= 512 * 64 and stages in (3, 4)
+            for h200 in (False, True):
+                if not takes(m, n):
+                    continue
+                block_n, block_k, stages = tiles(m, n, k, h200)
+                # the pipeline's x and w tiles (BLOCK_M <= 64 rows) fit an SM's shared memory
+                assert block_n * block_k <= 512 * 64 and 3 <= stages <= 8
+                assert stages * (64 + block_n) * block_k <= 232448
     assert takes(64, 28672) and not takes(128, 28672) and not takes(256, 6144)
     assert not takes(257, 4096)
 
