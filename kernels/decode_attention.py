@@ -204,10 +204,11 @@ def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool
     """Whether an fp8 decode runs one-warp programs over 32-token tiles instead of 4-warp
     programs over 64/128 tokens.
 
-    The fp8 kernel does not reach the bytes' bandwidth (2.2-3.3 TB/s on an H200 where the
-    same kernel reads bf16 at 3.5-4.4, whatever the KV layout, page size or tile:
-    bench/results/kv_layout_h200.json, kv_pages_h200.json); more, smaller programs hide more
-    of each one's latency. Measured on an H200 as the CUDA graphs launch it, splits sized
+    The fp8 kernel is latency-bound (it read 2.2-3.3 TB/s on an H200 with one tile in flight
+    where the same kernel reads bf16 at 3.5-4.4: bench/results/kv_layout_h200.json,
+    kv_pages_h200.json); more, smaller programs hide more of each one's latency. (The rule
+    was measured with one tile in flight; with two, ONE_WARP_STAGES, bench/attn_diag.py
+    --chain found no better setting at batch 64-256 x 1k-2k.) Measured on an H200 as the CUDA graphs launch it, splits sized
     for max_model_len 4096 (bench/attn_diag.py --rule, attn_diag_rule_graph_h200.json): with
     at least 1024 sequence-heads (batch 128 at 8 KV heads, one split) it wins at every
     context, 0.86-0.95x the 4-warp time from 128 to 4096 tokens. With 128-1023 it needs

@@ -40,9 +40,13 @@ tile, yet 1.2-1.5x slower), pages laid out head-major, pages of up to 1024 token
 (bench/results/README.md). Nor (H200, 2026-11-26): V's pages stored transposed, so V reaches
 P @ V as K reaches q @ K^T with no float16 round trip through shared memory (slower at 5 of 6
 shapes: bench/decode_fp8_vt.py), or a register cap on one-warp programs (level or slower).
-The same kernel reads a bf16 cache at 3.4-4.4 TB/s and an fp8 one at 2.2-3.3. Nsight Compute
-(bench/results/attn_ncu_h200.json): the one-warp fp8 programs are latency-bound, 8 per SM at
-220 registers a thread, no warp ready 68 % of cycles with DRAM 55 % busy.
+The same kernel read a bf16 cache at 3.4-4.4 TB/s and an fp8 one at 2.2-3.3. Nsight Compute
+(bench/results/attn_ncu_h200.json): the one-warp fp8 programs were latency-bound, 8 per SM at
+220 registers a thread, no warp ready 68 % of cycles with DRAM 55 % busy. The cause was one
+K/V tile in flight per program: Triton gives a load whose address comes from another load
+(the page table) a second shared-memory buffer only from num_stages 5. With 5 the one-warp
+programs read 3.2-4.0 TB/s as a decode step runs them (kernels/decode_attention.py
+ONE_WARP_STAGES; bench/results/attn_diag_chain_h200.json).
 
 One-warp decode programs compute transposed (`attend_paged_range_t`): the query group as the
 dots' N dimension halves their MMAs and accumulator, 4-14 % off on an H200. Over V pages
