@@ -43,9 +43,9 @@ PHASE_S = 240.0                   # longest a phase may take to move the pools
 # on 2 cores): short outputs, and the clients share prompt sequences. The decode-heavy
 # phase's concurrency, not its prompts or output length, pushes TPOT over its SLO; the
 # prompt-heavy clients all send the same long prompts, which with no prefix cache cost P as
-# much as distinct ones (regenerating a 900-token prompt takes ~5 s on one thread).
+# much as distinct ones (regenerating a 600-token prompt takes ~3 s on one thread).
 DECODE_HEAVY = (32, 32, 20, 4)    # concurrency, max_tokens, prompt tokens, distinct prompts
-PROMPT_HEAVY = (4, 2, 900, 1)
+PROMPT_HEAVY = (4, 2, 600, 1)
 VOCAB = 49152
 
 
