@@ -12,9 +12,10 @@ sweeps the shipped kernel's warps x register cap x stages x tile at four batch s
 --transposed times one-warp programs with the heads as the dots' N dimension (16/32/64-token
 tiles x ~7 or ~12 programs per SM) against 4-warp ones, batch 16-256 x context 128-4096;
 --chain times each launcher setting as a decode step runs it (32 calls over 32 caches in a
-CUDA graph); --buffers times both cache dtypes at num_stages 3/5/7/9 (1/2/3/4 K/V tiles in flight) and
-several tile lengths; --rule times the launcher's fp8 choice against the 4-warp one before it, batch 8-256 x
-context 128-4096, sized as the engine's CUDA graphs size it (max_seq_len 4096).
+CUDA graph); --buffers times both cache dtypes at num_stages 3/5/7/9 (1/2/3/4 K/V tiles in
+flight) and several tile lengths; --rule times the launcher's fp8 choice against the 4-warp
+one before it, batch 8-256 x context 128-4096, sized as the engine's CUDA graphs size it
+(max_seq_len 4096).
 """
 from __future__ import annotations
 
