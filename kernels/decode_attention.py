@@ -215,8 +215,9 @@ def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool
     tokens. With 128-1023 it needs splits to fill the GPU and wins only over long contexts:
     0.85-0.99x from 1k to 4k tokens at batch 16-64, but up to 1.7x slower at 128-512
     (64 x 128: 26 against 15 us); pd_cluster/cuda_graphs.py captures short-context graphs
-    apart for that. Below 128 it is level or slower. An H100 agrees at 1024+ sequence-heads (0.91-0.97x) and past 1k tokens
-    at batch 32-64 (0.93-0.99x); batch 16 x 2k lost (1.09x; attn_diag_rule_graph_h100x1.json)."""
+    apart for that. Below 128 it is level or slower. An H100 agrees at 1024+ sequence-heads
+    (0.91-0.97x) and past 1k tokens at batch 32-64 (0.93-0.99x); batch 16 x 2k lost (1.09x;
+    attn_diag_rule_graph_h100x1.json)."""
     if not fp8 or head_dim > 128:
         return False
     return seq_heads >= ONE_WARP_MIN_SEQ_HEADS or (
