@@ -30,7 +30,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_fp8_variants import load_only  # noqa: E402
-from kernels.decode_attention import (_decode_kernel, choose_num_splits,  # noqa: E402
+from kernels.decode_attention import (_decode_stage1_kernel, choose_num_splits,  # noqa: E402
                                       decode_attention)
 
 H, KVH, D, BLK = 32, 8, 128, 16
@@ -292,7 +292,7 @@ def main() -> None:
                                 "graph_us_per_call": graphed * 1e3 / 32}
     # Triton's code for the shipped kernel: is the K/V loop software-pipelined?
     try:
-        kernels = list(_decode_kernel.device_caches[0][0].items())
+        kernels = list(_decode_stage1_kernel.device_caches[0][0].items())
     except Exception as e:      # the cache's layout differs across Triton versions
         kernels = []
         res["ttgir_error"] = repr(e)[:200]

@@ -3,7 +3,7 @@ Nsight Compute (Llama-3.1-8B attention: 32 query heads, 8 KV heads, head_dim 128
 shuffled pages, every sequence at CONTEXT tokens).
 
     ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        -k regex:_decode_kernel -s 2 -c 1 python bench/attn_once.py BATCH CONTEXT {fp8,bf16}
+        -k regex:stage1 -s 2 -c 1 python bench/attn_once.py BATCH CONTEXT {fp8,bf16}
 """
 from __future__ import annotations
 

@@ -9,28 +9,23 @@
     kv_scale      [2] float32 (K scale, V scale) when the caches are float8_e4m3fn (values =
                   fp8 * scale), else None (caches in q's dtype)
 
-Grid (num_kv_heads, B, num_splits): a program takes one contiguous chunk of a sequence's
-context and all query heads of one KV head as a [BLOCK_H, head_dim] tile (group padded to
->= 16 rows for tl.dot), so each K/V tile is read from memory once per group. One-warp
-programs (`one_warp`) take the group transposed, as the dots' N dimension (padded to 8
-columns; kernels/paged.py attend_paged_range_t).
-
-With one chunk per sequence (large batches fill the GPU without splitting) a program writes
-`out` directly. With several, each writes its chunk's normalised output and log-sum-exp
-(base 2) to fp32 scratch,
+Stage 1, grid (num_kv_heads, B, num_splits): a program takes one contiguous chunk of a
+sequence's context and all query heads of one KV head as a [BLOCK_H, head_dim] tile (group
+padded to >= 16 rows for tl.dot), so each K/V tile is read from memory once per group.
+One-warp programs (`one_warp`) take the group transposed, as the dots' N dimension (padded
+to 8 columns; kernels/paged.py attend_paged_range_t). It writes the chunk's normalised
+output and log-sum-exp (base 2) to fp32 scratch:
 
     partial_out [B, num_heads, num_splits, head_dim]    partial_lse [B, num_heads, num_splits]
 
-then takes a ticket (an atomic count per sequence and KV head); the program that takes the
-last one merges the sequence's non-empty chunks by their log-sum-exp, in chunk order (so the
-result does not depend on which program finishes last), writes `out` and puts the count
-back to 0 for the next call. Chunks are multiples of BLOCK_N long, so short sequences simply
-use fewer of them. The merge inside the last program replaced a second kernel per layer
-(`_tickets` says what that one cost).
+Stage 2, grid (B, num_heads): merges a sequence's non-empty chunks by their log-sum-exp.
+Chunks are multiples of BLOCK_N long, so short sequences simply use fewer of them. With one
+chunk per sequence (large batches fill the GPU without splitting) stage 1 writes `out`
+directly and stage 2 is not launched: one kernel less per layer, no fp32 scratch.
 
-An fp8 cache's tiles are widened to float16 (V by PTX on GPUs, kernels/paged.py);
-K's scale joins qk_scale and V's scales each chunk's output (kernels/paged.py), so the merge
-is of outputs already in value units. Reference: kernels/reference.py decode_attention_ref.
+An fp8 cache's tiles are widened to float16 in stage 1 (V by PTX on GPUs, kernels/paged.py);
+K's scale joins qk_scale and V's scales each chunk's output (kernels/paged.py), so stage 2
+merges outputs already in value units. Reference: kernels/reference.py decode_attention_ref.
 """
 from __future__ import annotations
 
@@ -47,10 +42,10 @@ from kernels.paged import (FP8_MAX, attend_paged_range, attend_paged_range_t, ch
 from kernels.pdl import pdl_args, wait_for_inputs
 
 # Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
-# 128, bench sweeps): KV bandwidth saturates once about 3.5 programs per SM are in
+# 128, bench sweeps): KV bandwidth saturates once about 3.5 stage-1 programs per SM are in
 # flight, whatever the occupancy allows; more splits only add merge work.
 PROGRAMS_PER_SM = 3.5
-MIN_SPLIT_TOKENS = 256    # shorter chunks cost more to merge than they win
+MIN_SPLIT_TOKENS = 256    # shorter chunks cost more in stage 2 than they win in stage 1
 MAX_SPLITS = 64
 DEFAULT_SMS = 132         # H100/H200, used off-GPU (the interpreter) to keep choices stable
 
@@ -63,25 +58,23 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 # Integer arguments that change from step to step are not specialized on (Triton would
 # otherwise compile a variant, ~1 s, each time one is first 1 or first a multiple of 16:
-# stalls in the middle of serving), nor is the alignment of pointers that changes: a step's
-# inputs are 8-byte aligned views of one packed upload (pd_cluster/upload.py).
-@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_ob", "stride_oh", "stride_pb",
-                               "stride_ph", "stride_ps", "stride_lb", "stride_lh"],
-            do_not_specialize_on_alignment=["BlockTables", "SeqLens", "Tickets"])
-def _decode_kernel(
-    Q, KCache, VCache, BlockTables, SeqLens, Out, PartialOut, PartialLse, Tickets, KVScale,
-    qk_scale, num_splits,
-    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
+# stalls in the middle of serving).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_pb", "stride_ph", "stride_ps",
+                               "stride_lb", "stride_lh"],
+            do_not_specialize_on_alignment=["BlockTables", "SeqLens"])
+def _decode_stage1_kernel(
+    Q, KCache, VCache, BlockTables, SeqLens, PartialOut, PartialLse, KVScale, qk_scale,
+    num_splits,
+    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     KV_SCALED: tl.constexpr, V_PTX: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr,
     TRANSPOSED: tl.constexpr,
 ):
-    """DIRECT (one split): the program writes Out; PartialOut, PartialLse and Tickets are
-    unused. Otherwise the module docstring's partials, tickets and merge. OUT_FP8: the output
-    is fp8 in V's units (kernels/paged.py finish_output); split partials are then in V's units
-    too, clamped once merged.
+    """DIRECT (one split): PartialOut is the output [B, num_heads, head_dim] itself and
+    PartialLse is unused; stride_ps is 0. OUT_FP8: the output is fp8 in V's units
+    (kernels/paged.py finish_output); split partials are then in V's units too.
     TRANSPOSED: the query heads are the dots' N dimension (kernels/paged.py
     attend_paged_range_t), for one-warp programs."""
     # KV heads vary fastest across programs: the group of programs that runs together reads
@@ -134,48 +127,49 @@ def _decode_kernel(
             PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, V_PTX=V_PTX,
             LAZY=True)
         out = acc / l_i[:, None]
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    out_tile = Out + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    if DIRECT:
+    part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+    if DIRECT or not OUT_FP8:       # split fp8 partials are clamped once merged (stage 2)
         out = finish_output(out, v_scale, OUT_FP8)
-        tl.store(out_tile, out.to(Out.dtype.element_ty), mask=mask_hd)
-        return
-    if not OUT_FP8:
-        out = finish_output(out, v_scale, False)
-    part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
-    lse_row = PartialLse + seq * stride_lb + heads * stride_lh
-    tl.store(part + split * stride_ps, out, mask=mask_hd)
-    tl.store(lse_row + split, m_i + tl.log2(l_i), mask=mask_h)
-    # Every thread's partial is written before the ticket is taken (the atomic releases
-    # them); the last program reads the others' past L1 (.cg), which is not coherent.
-    tl.debug_barrier()
-    ticket = Tickets + seq * tl.num_programs(0) + kv_head
-    if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.cdiv(seq_len, chunk) - 1:
-        _merge_chunks(part, lse_row, out_tile, tl.cdiv(seq_len, chunk), stride_ps, mask_h,
-                      mask_hd, BLOCK_H, BLOCK_D, OUT_FP8)
-        tl.atomic_xchg(ticket, 0)
+    tl.store(part + offs_d[None, :], out.to(PartialOut.dtype.element_ty),
+             mask=mask_h[:, None] & mask_d[None, :])
+    if not DIRECT:
+        tl.store(PartialLse + seq * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
+                 mask=mask_h)
 
 
-@triton.jit
-def _merge_chunks(part, lse_row, out_tile, used_splits, stride_ps, mask_h, mask_hd,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, OUT_FP8: tl.constexpr):
-    """out = the group's chunks [used_splits] merged by their log-sum-exp, in chunk order."""
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps",
+                               "stride_lb", "stride_lh"],
+            do_not_specialize_on_alignment=["SeqLens"])
+def _decode_stage2_kernel(
+    PartialOut, PartialLse, SeqLens, Out, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    OUT_FP8: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_inputs(PDL)
+    seq, head = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(SeqLens + seq)
+    used_splits = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    part = PartialOut + seq * stride_pb + head * stride_ph + offs_d
+    lse_row = PartialLse + seq * stride_lb + head * stride_lh
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m = float("-inf")
+    total = 0.0
     for split in range(0, used_splits):
-        lse = tl.load(lse_row + split, mask=mask_h, other=0.0, cache_modifier=".cg")
+        lse = tl.load(lse_row + split)
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         weight = tl.exp2(lse - m_new)
-        chunk = tl.load(part + split * stride_ps, mask=mask_hd, other=0.0, cache_modifier=".cg")
-        acc = acc * alpha[:, None] + weight[:, None] * chunk
+        acc = acc * alpha + weight * tl.load(part + split * stride_ps, mask=mask_d, other=0.0)
         total = total * alpha + weight
         m = m_new
-    out = acc / total[:, None]
-    if OUT_FP8:     # the partials are in V's units; see finish_output
+    out = acc / total
+    if OUT_FP8:     # the partials are in V's units (stage 1); see finish_output
         out = tl.minimum(tl.maximum(out, -FP8_MAX), FP8_MAX)
-    tl.store(out_tile, out.to(out_tile.dtype.element_ty), mask=mask_hd)
+    tl.store(Out + seq * stride_ob + head * stride_oh + offs_d,
+             out.to(Out.dtype.element_ty), mask=mask_d)
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,7 +181,7 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(seq_heads: int, max_seq_len: int, num_sms: int,
                       programs_per_sm: float = PROGRAMS_PER_SM) -> int:
-    """Chunks per sequence for seq_heads = batch x kv_heads programs per chunk: the
+    """Chunks per sequence for seq_heads = batch x kv_heads stage-1 programs per chunk: the
     fewest that put `programs_per_sm` programs on every SM, if the context is long enough."""
     wanted = math.ceil(programs_per_sm * num_sms / seq_heads)
     worthwhile = triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)
@@ -295,43 +289,25 @@ def decode_attention(
                 V_PTX=kv_scale is not None and widen_by_ptx(q.device), OUT_FP8=out_fp8,
                 num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
                 **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    kernel = _decode_kernel[(num_kv_heads, batch, num_splits)]
+    stage1 = functools.partial(
+        _decode_stage1_kernel[(num_kv_heads, batch, num_splits)], q, k_cache, v_cache,
+        block_tables, seq_lens)
     scales = seq_lens if kv_scale is None else kv_scale   # any pointer when unscaled
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               block_tables.stride(0), out.stride(0), out.stride(1))
+               block_tables.stride(0))
     qk_scale = scale * math.log2(math.e)
-    if num_splits == 1:     # the scratch, tickets and their strides are unused: any will do
-        kernel(q, k_cache, v_cache, block_tables, seq_lens, out, out, out, seq_lens, scales,
-               qk_scale, 1, *strides, 0, 0, 0, 0, 0, DIRECT=True, **meta)
+    if num_splits == 1:
+        stage1(out, out, scales, qk_scale, 1, *strides, out.stride(0), out.stride(1), 0, 0, 0,
+               DIRECT=True, **meta)
         return out
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                               device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    kernel(q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
-           _tickets(q.device, batch * num_kv_heads), scales, qk_scale, num_splits, *strides,
+    stage1(partial_out, partial_lse, scales, qk_scale, num_splits, *strides,
            *partial_out.stride()[:3], *partial_lse.stride()[:2], DIRECT=False, **meta)
+    _decode_stage2_kernel[(batch, num_heads)](
+        partial_out, partial_lse, seq_lens, out, num_splits,
+        *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, OUT_FP8=out_fp8, num_warps=4,
+        **pdl_args(q.device))
     return out
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-MIN_TICKETS = 1 << 16       # sequence-heads: 256 KiB of int32, batch 8192 at 8 KV heads
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The device's ticket counts (module docstring), at least `count`, all 0 between calls:
-    the program that takes a count's last ticket puts it back. So they are allocated once,
-    outside any CUDA graph capture (the engine's warm-up runs each size before capturing it)
-    and shared by every call on the device, which therefore must not run on two streams at
-    once (an engine runs one).
-
-    Measured before (bench/results/profile_decode_fp8_two_buffers_h200.json, H200, batch 64
-    x 1k over fp8 KV, two chunks a sequence): the merge as a kernel of its own took 0.10 ms
-    of a 4.43 ms step, 3 us a layer for 16 KiB of partials."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention: run this batch size once before capturing a "
-                               "CUDA graph of it (its split counts need device memory)")
-        tickets = torch.zeros(max(count, MIN_TICKETS), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets

@@ -12,7 +12,7 @@ INTERPRETED = use_interpreter_without_gpu()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.decode_attention import (_block_n, _tickets, choose_num_splits,  # noqa: E402
+from kernels.decode_attention import (_block_n, choose_num_splits,  # noqa: E402
                                       decode_attention, one_warp)
 from pd_cluster.cuda_graphs import context_caps  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
@@ -70,7 +70,7 @@ def check_prefill(cached_and_new, block_size, num_heads, num_kv_heads, head_dim,
     (128, 32, 4, 4, 16, 2),    # MHA, tile inside a block
     (64, 16, 8, 1, 32, 8),     # MQA; short sequences leave trailing splits empty
     (128, 16, 4, 2, 64, None),  # launcher picks the split count
-    (64, 16, 8, 2, 32, 1),     # one split: the program writes the output, no partials
+    (64, 16, 8, 2, 32, 1),     # one split: stage 1 writes the output, no stage 2
 ])
 @pytest.mark.parametrize("transposed", [False, True])   # heads as the dots' M or N
 def test_decode_attention_matches_reference(head_dim, block_size, num_heads, num_kv_heads,
@@ -109,24 +109,6 @@ def test_decode_attention_follows_a_max_that_moves_along_the_context(slope, fp8,
         ref = decode_attention_ref(q, k_cache, v_cache, table, lens, scale, kv_scale)
         tol = 1e-3 if fp8 and INTERPRETED else TOL     # p in float16 (tests/test_fp8_kv.py)
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-
-
-def test_the_last_chunk_of_each_sequence_merges_them_and_puts_its_count_back():
-    # Chunks of 16 tokens: 1, 3, 7 and 5 of them in use (the longest sequence: all 7
-    # splits); the last program of each sequence-head merges, in chunk order.
-    seq_lens = [9, 37, 100, 70]
-    k_cache, v_cache, table = paged_kv(seq_lens, 16, 2, 64)
-    q = torch.randn(len(seq_lens), 8, 64, dtype=DTYPE, device=DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    first = decode_attention(q, k_cache, v_cache, table, lens, 0.125, 100, num_splits=7,
-                             block_n=16)
-    torch.testing.assert_close(first, decode_attention_ref(q, k_cache, v_cache, table, lens,
-                                                           0.125), atol=TOL, rtol=TOL)
-    tickets = _tickets(q.device, len(seq_lens) * 2)
-    assert int(tickets.count_nonzero()) == 0        # every count back to 0 for the next call
-    again = decode_attention(q, k_cache, v_cache, table, lens, 0.125, 100, num_splits=7,
-                             block_n=16)
-    assert torch.equal(again, first)
 
 
 def test_num_splits_fill_the_gpu_but_stay_long_enough():
