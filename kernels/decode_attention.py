@@ -58,10 +58,12 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 # Integer arguments that change from step to step are not specialized on (Triton would
 # otherwise compile a variant, ~1 s, each time one is first 1 or first a multiple of 16:
-# stalls in the middle of serving).
+# stalls in the middle of serving), nor is the alignment of pointers that changes with the
+# step: its inputs are 8-byte aligned views of one packed upload (pd_cluster/upload.py), and
+# an unscaled (16-bit) cache passes the sequence lengths as KVScale.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_pb", "stride_ph", "stride_ps",
                                "stride_lb", "stride_lh"],
-            do_not_specialize_on_alignment=["BlockTables", "SeqLens"])
+            do_not_specialize_on_alignment=["BlockTables", "SeqLens", "KVScale"])
 def _decode_stage1_kernel(
     Q, KCache, VCache, BlockTables, SeqLens, PartialOut, PartialLse, KVScale, qk_scale,
     num_splits,

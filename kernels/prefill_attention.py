@@ -37,9 +37,10 @@ from kernels.paged import (attend_paged_range, check_kv_dtype, check_out_dtype, 
 # step: not specialized on, so it never triggers a new compile mid-serving. Nor is the
 # alignment of the metadata pointers: the backend passes them sliced past the step's decode
 # rows, so whether they are 16-byte aligned changes with the batch (a ~1 s compile on the
-# first unaligned step); they are read a scalar at a time, so alignment buys nothing.
+# first unaligned step); they are read a scalar at a time, so alignment buys nothing. The
+# same holds for KVScale, which an unscaled (16-bit) cache fills with the sequence lengths.
 @triton.jit(do_not_specialize=["stride_bt"],
-            do_not_specialize_on_alignment=["BlockTables", "SeqLens", "QueryStartLoc"])
+            do_not_specialize_on_alignment=["BlockTables", "SeqLens", "QueryStartLoc", "KVScale"])
 def _prefill_kernel(
     Q, KCache, VCache, BlockTables, SeqLens, QueryStartLoc, Out, KVScale, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
