@@ -2,7 +2,7 @@
 path above kernels/fp8_linear.MAX_ROWS) against kernels/fp8_linear.py's W8A8 tiles.
 
     python bench/fp8_gemm_bench.py [--batches 32,64,128] [--shapes o,down] [--warps 4,8]
-        [--stages 3,4] [--out FILE]
+        [--stages 3,4] [--block-m 0,128] [--tiles 64x128,128x128] [--out FILE]
 
 (Split-K, K's tiles spread over several programs per output tile, was measured with this
 script at commit 1925ec2 and dropped: bench/results/fp8_gemm_split_k_h100x1.json.)
@@ -46,18 +46,23 @@ def cublas(x, w):
     return scaled_mm(per_token_quant(x), w)
 
 
-def variants(warps, stages) -> dict:
+def variants(warps, stages, block_ms) -> dict:
     """label -> (fn, takes pre-quantized x). (A W8A16 variant, w8 widened to x's 16 bits, was
-    measured here too and dropped: bench/results/fp8_gemm_h100x1.json.)"""
+    measured here too and dropped: bench/results/fp8_gemm_h100x1.json.) "shipped": the
+    launcher's own tiles. block_ms: rows per program (0: the launcher's, all rows up to 64)."""
     out = {"quant alone": (quant, False), "scaled_mm alone": (scaled_mm, True),
-           "quant+scaled_mm": (cublas, False)}
-    for bn, bk in TILES:
-        for wp in warps:
-            for st in stages:
-                label = f"w8a8 n{bn} k{bk} w{wp} s{st}"
-                out[label] = ((lambda bn, bk, wp, st: lambda x, w: fp8_linear_small(
-                    x[0], x[1], w[0], w[1], torch.bfloat16, block_n=bn, block_k=bk,
-                    num_warps=wp, num_stages=st))(bn, bk, wp, st), True)
+           "quant+scaled_mm": (cublas, False),
+           "w8a8 shipped": (lambda x, w: fp8_linear_small(x[0], x[1], w[0], w[1],
+                                                          torch.bfloat16), True)}
+    for bm in block_ms:
+        for bn, bk in TILES:
+            for wp in warps:
+                for st in stages:
+                    label = f"w8a8 n{bn} k{bk} w{wp} s{st}" + (f" m{bm}" if bm else "")
+                    out[label] = ((lambda bn, bk, wp, st, bm: lambda x, w: fp8_linear_small(
+                        x[0], x[1], w[0], w[1], torch.bfloat16, block_n=bn, block_k=bk,
+                        num_warps=wp, num_stages=st, block_m=bm or None))(bn, bk, wp, st, bm),
+                        True)
     return out
 
 
@@ -67,10 +72,16 @@ def main() -> None:
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="3,4")
+    ap.add_argument("--block-m", default="0", help="rows per program to try (0: the "
+                    "launcher's); those above M are skipped")
+    ap.add_argument("--tiles", default=None, help="BLOCK_N x BLOCK_K pairs, e.g. 64x128,128x128 "
+                    "(default: TILES)")
     ap.add_argument("--out")
     args = ap.parse_args()
     ints = lambda text: tuple(map(int, text.split(",")))  # noqa: E731
-    table = variants(ints(args.warps), ints(args.stages))
+    if args.tiles:
+        TILES[:] = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
+    table = variants(ints(args.warps), ints(args.stages), ints(args.block_m))
     torch.manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "calls_per_graph": CALLS, "rows": []}
     for name, (n, k) in SHAPES.items():
@@ -87,6 +98,8 @@ def main() -> None:
             ref = xs[0].float() @ (w8.float() * scale[:, None]).T
             row = {"shape": name, "M": m, "N": n, "K": k}
             for label, (fn, a8) in table.items():
+                if " m" in label and int(label.rsplit(" m", 1)[1]) > max(16, m):
+                    continue
                 inputs = xqs if a8 else xs
                 try:
                     if not label.startswith("quant alone"):
@@ -105,7 +118,7 @@ def main() -> None:
             res["rows"].append(row)
             print(f"{name:8s} M={m:4d} quant {row['quant alone'].get('us')} scaled_mm "
                   f"{row['scaled_mm alone'].get('us')} both {row['quant+scaled_mm'].get('us')}"
-                  f" | best {timed[:3]}", flush=True)
+                  f" shipped {row['w8a8 shipped'].get('us')} | best {timed[:3]}", flush=True)
         del weights
         torch.cuda.empty_cache()
     text = json.dumps(res, indent=1)

@@ -87,16 +87,17 @@ def is_h200(device: torch.device) -> bool:
 def fp8_linear_small(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
                      w_scale: torch.Tensor, out_dtype: torch.dtype,
                      block_n: int | None = None, block_k: int | None = None,
-                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int | None = None,
+                     block_m: int | None = None) -> torch.Tensor:
     """y = (xq * x_scale) @ (w8 * w_scale[:, None]).T in out_dtype, the module docstring's;
-    the tiles default to `tiles`."""
+    the tiles default to `tiles`, block_m to all rows up to 64 (rows per program)."""
     m, k = xq.shape
     n = w8.shape[0]
     assert xq.dtype == w8.dtype == FP8 and xq.stride(-1) == 1 and w8.is_contiguous()
     assert w8.shape[1] == k and x_scale.shape == (m, 1)
     default_n, default_k, default_stages = tiles(m, n, k, is_h200(xq.device))
     block_n, block_k = block_n or default_n, block_k or default_k
-    block_m = max(16, min(64, triton.next_power_of_2(m)))
+    block_m = block_m or max(16, min(64, triton.next_power_of_2(m)))
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](xq, w8, y, m, n, k, xq.stride(0), w8.stride(0), y.stride(0), x_scale,
