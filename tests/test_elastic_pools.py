@@ -89,7 +89,7 @@ def targets(url: str) -> dict[str, int]:
 def drive(url: str, phase: tuple[int, int, int, int], tag: int, until, limit_s: float
           ) -> list[dict]:
     """A closed loop of `concurrency` clients, each sending its next request when the last
-    ends, until `until(targets)` holds (checked every second) or `limit_s` passed. Client c
+    ends, until `until(targets)` holds (checked every 0.25 s) or `limit_s` passed. Client c
     sends prompt c mod `distinct` every time."""
     concurrency, max_tokens, length, distinct = phase
     stop = asyncio.Event()
@@ -102,7 +102,7 @@ def drive(url: str, phase: tuple[int, int, int, int], tag: int, until, limit_s: 
     async def watch() -> None:
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and not until(await asyncio.to_thread(targets, url)):
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.25)
         stop.set()
 
     async def main() -> list[dict]:
