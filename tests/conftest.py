@@ -5,13 +5,14 @@ Markers (registered in pyproject.toml): `slow` (left out by `-m "not slow"`, the
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from ray_support import environ, start_local_ray, stop_shared_ray
 
 SHARED_SERVER = "default_server"
+SHARED_SERVER_LATER = "default_server_later"
 OWN_RAY = "own_ray"
 
 
@@ -22,13 +23,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _run_server_tests_last(items: list[pytest.Item]) -> None:
     """Each group in its collected order: the rest, then the tests on a Ray of their own
-    (`own_ray`), then the `serve` tests, then those on `default_server`. A server runs on a
-    Ray of its own too, and all of these stop the shared `ray_cluster` first: this way that
-    one starts once, and `default_server` (stopped by any other server or by the shared Ray
-    starting again) starts once too."""
+    (`own_ray`), then the `serve` tests, then those that start `default_server` partway
+    (`default_server_later`), then those on `default_server`. A server runs on a Ray of its
+    own too, and all of these stop the shared `ray_cluster` first: this way that one starts
+    once, and `default_server` (stopped by any other server or by the shared Ray starting
+    again) starts once too."""
     def group(item: pytest.Item) -> int:
         fixtures = getattr(item, "fixturenames", ())
         if SHARED_SERVER in fixtures:
+            return 4
+        if SHARED_SERVER_LATER in fixtures:
             return 3
         if item.get_closest_marker("serve"):
             return 2
@@ -99,3 +103,11 @@ def default_server(_ray_session) -> Iterator[str]:
 
     with environ({API_KEY_ENV: API_KEY}), serve_run({"api_key_env": API_KEY_ENV}) as url:
         yield url
+
+
+@pytest.fixture
+def default_server_later(request: pytest.FixtureRequest) -> Callable[[], str]:
+    """`default_server`'s URL when called (started then, if it has not been): for a test that
+    first serves something else on a Ray of its own, which would stop it. Such tests run just
+    before those on `default_server` (pytest_collection_modifyitems), so it still starts once."""
+    return lambda: request.getfixturevalue(SHARED_SERVER)

@@ -40,11 +40,13 @@ ARGS = {"mode": "disaggregated", "num_prefill": 2, "num_decode": 2,
 NUM_CPUS = 6                      # Ray's accounting: 4 engines and a router; 2 real cores
 PHASE_S = 240.0                   # longest a phase may take to move the pools
 # Each distinct request is regenerated offline for the comparison (most of the module's time
-# on 2 cores): short outputs, and the clients share prompt sequences. The decode-heavy
-# phase's concurrency, not its prompts or output length, pushes TPOT over its SLO; the
-# prompt-heavy clients all send the same long prompts, which with no prefix cache cost P as
-# much as distinct ones (regenerating a 600-token prompt takes ~3 s on one thread).
-DECODE_HEAVY = (32, 32, 20, 4)    # concurrency, max_tokens, prompt tokens, distinct prompts
+# on 2 cores): short outputs, and the clients share a few prompts, over and over. The
+# decode-heavy phase's concurrency, not its prompts or output length, pushes TPOT over its
+# SLO (16 tokens: its requests report to the planner within seconds, and those in flight at
+# the flip end soon after it, as the phase waits for them); the prompt-heavy clients all
+# send one long prompt, which with no prefix cache costs P as much each time as distinct
+# ones would (regenerating a 600-token prompt takes ~3 s on one thread).
+DECODE_HEAVY = (32, 16, 20, 4)    # concurrency, max_tokens, prompt tokens, distinct prompts
 PROMPT_HEAVY = (4, 2, 600, 1)
 VOCAB = 49152
 
@@ -87,22 +89,20 @@ def targets(url: str) -> dict[str, int]:
 def drive(url: str, phase: tuple[int, int, int, int], tag: int, until, limit_s: float
           ) -> list[dict]:
     """A closed loop of `concurrency` clients, each sending its next request when the last
-    ends, until `until(targets)` holds (checked every second) or `limit_s` passed. Client c's
-    k-th prompt is the k-th of sequence c mod `distinct`."""
+    ends, until `until(targets)` holds (checked every 0.25 s) or `limit_s` passed. Client c
+    sends prompt c mod `distinct` every time."""
     concurrency, max_tokens, length, distinct = phase
     stop = asyncio.Event()
 
     async def client_loop(client, c: int, results: list) -> None:
-        k = 0
+        ids = prompt_ids(tag + c % distinct, length)
         while not stop.is_set():
-            ids = prompt_ids(tag + 1000 * (c % distinct) + k, length)
             results.append(await complete(client, url, ids, max_tokens))
-            k += 1
 
     async def watch() -> None:
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and not until(await asyncio.to_thread(targets, url)):
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.25)
         stop.set()
 
     async def main() -> list[dict]:
@@ -215,8 +215,9 @@ def test_removing_a_prefill_replica_while_requests_stream_fails_none(server: str
 
     async def main():
         async with httpx.AsyncClient(timeout=300) as client:
-            streams = [asyncio.ensure_future(complete(client, server,
-                                                      prompt_ids(5000 + i % 3, 300), 16))
+            # One prompt (no prefix cache: each stream prefills all of it), regenerated once.
+            streams = [asyncio.ensure_future(complete(client, server, prompt_ids(5000, 300),
+                                                      16))
                        for i in range(12)]
             await asyncio.sleep(1.0)
             membership = await asyncio.to_thread(

@@ -7,14 +7,16 @@ consistent comparison.
 
 Each served configuration takes 20-60 s to start on 2 cores: the two serving tests are marked
 slow (`-m "not slow"` leaves them out), and they share one server of disagg:1:1 (the sweep's
-last configuration is validate's recommendation: `KeptServer`).
+last configuration is validate's recommendation: `KeptServer`), the session's default
+application: configs/pd.yaml's args are disagg:1:1, and its API key goes with every request
+(OPENAI_API_KEY, which `pd-cluster bench` and `profile-serving` read).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from pd_cluster.benchmark.sweep import run, summary
 from pd_cluster.benchmark.diagnostics import PARTS, join_parts
 from pd_cluster.benchmark.serving_runs import RECORD_COLUMNS, Deployment, app_args
 from pd_cluster.tuning.profile import DECODE_FEATURES, PREFILL_FEATURES, LatencyModel, Profile
-from ray_support import stop_shared_ray
+from ray_support import environ, stop_shared_ray
 from router.app_config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,17 +66,30 @@ def harness() -> Iterator:
     test of the module."""
     pytest.importorskip("ray")
     from router.serving_bench import LocalRayHarness
+    from serve_run import API_KEY
 
     class KeptServer(LocalRayHarness):
         """Serves each configuration on a local Ray of its own, as LocalRayHarness does, but
         keeps the last one running after its block: the next block asking for the same args
-        gets it (starting one takes 20-60 s on 2 cores); any other stops it first."""
+        gets it (starting one takes 20-60 s on 2 cores); any other stops it first. The
+        default application's args (configs/pd.yaml's, disagg:1:1) get the session's
+        `default_server` instead (`default_server_later`, set by each test), which stays up."""
 
         def __init__(self) -> None:
             self.kept: tuple[dict, contextlib.ExitStack, str] | None = None
+            self.default_server: Callable[[], str] | None = None
+            self.default_served = False
 
         @contextlib.contextmanager
         def serving(self, args, opts) -> Iterator[str]:
+            if self.default_server is not None and args == app_args([], SERVE_CONFIG):
+                self.close()
+                self.default_served = True
+                with environ({"OPENAI_API_KEY": API_KEY}):
+                    yield self.default_server()
+                return
+            if self.default_served:     # starting a Ray here would stop default_server's
+                raise RuntimeError("serve other configurations before the default one")
             if self.kept is None or self.kept[0] != args:
                 self.close()
                 stop_shared_ray()       # the actor tests' Ray, if it runs
@@ -100,9 +115,11 @@ def serving_bench(argv: list[str], harness) -> int:
 
 @pytest.mark.slow
 @pytest.mark.serve
-def test_sweep_measures_every_rate_of_each_configuration(tmp_path: Path, harness):
+def test_sweep_measures_every_rate_of_each_configuration(tmp_path: Path, harness,
+                                                         default_server_later):
     out = tmp_path / "sweep"
-    # disagg:1:1 last: its server is kept for validate's recommendation (the same app args).
+    harness.default_server = default_server_later
+    # disagg:1:1 last: the default application, still up for validate's recommendation.
     serving_bench(["sweep", "--configs", "colo:1,disagg:1:1", "--rates", "1,2",
                    "--window", "3", "--settle", "0.5", "--stop-below", "0",
                    "--budget-s", "3000", *LOAD,
@@ -194,8 +211,9 @@ def cpu_profile(tmp_path: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.serve
 def test_validate_compares_tune_prediction_with_bench(tmp_path: Path, cpu_profile: Path,
-                                                      harness):
+                                                      harness, default_server_later):
     out = tmp_path / "validate"
+    harness.default_server = default_server_later
     serving_bench(["validate", "--profile", str(cpu_profile), "--rates", "2", "--gpus", "2",
                    "--no-colocated",
                    "--requests", "6", "--tune-requests", "50", *LOAD,
