@@ -151,8 +151,8 @@ def nixl_pooled(ray_cluster, tiny):
 
 @pytest.fixture(params=["nixl", "ucx", "ray"])
 def pooled(request, ray_cluster, tiny):
-    # ucx and ray: one test each, so stopped after it (an idle ray-transport engine polls its
-    # mailbox and keeps a core busy, slowing whatever runs next); nixl: the module's one.
+    # ucx and ray: one test each, so stopped after it (idle engines still take some of the
+    # 2 cores from whatever runs next: bench/idle_cpu.py); nixl: the module's one.
     if request.param == "nixl":
         yield request.getfixturevalue("nixl_pooled")
         return
