@@ -189,3 +189,19 @@ def process_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_the_ray_mailbox_releases_each_senders_messages_in_the_order_sent(ray_cluster) -> None:
+    from transfer.ray_transport import _Mailbox
+
+    box = _Mailbox.remote()
+    # a's second message arrives before its first; b's come in order and are not held back
+    ray.get([box.deliver.remote("a", 1, b"a1", []), box.deliver.remote("b", 0, b"b0", [])])
+    assert [m for m, _ in ray.get(box.drain.remote(0.0))] == [b"b0"]
+    ray.get(box.deliver.remote("a", 0, b"a0", []))
+    assert [m for m, _ in ray.get(box.drain.remote(0.0))] == [b"a0", b"a1"]
+    # an open drain answers at the first delivery, long before its wait runs out
+    waiting = box.drain.remote(60.0)
+    ray.get(box.deliver.remote("b", 1, b"b1", []))
+    assert [m for m, _ in ray.get(waiting, timeout=10)] == [b"b1"]
+    ray.kill(box)

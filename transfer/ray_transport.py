@@ -14,13 +14,15 @@ fail, which is how the peer learns of the death.
 The owner keeps one drain call open: the mailbox answers it at the first delivery, or after
 DRAIN_WAIT_S with nothing, and `progress()` only checks whether the answer is in (no call, no
 wait). Asking the mailbox afresh on every progress, as it once did, was an actor call per pump
-tick: an idle engine's process used 0.27 of a core and Ray 0.48 in all, now 0.10 and 0.12
-(bench/idle_cpu.py; bench/results/idle_cpu_{before,after}_cpu2.json).
+tick: an idle engine's process used 0.27 of a core and the local Ray's processes 0.52 in all
+(0.04 without the engine), now 0.10 and 0.16 (bench/idle_cpu.py;
+bench/results/idle_cpu_{before,after}_cpu2.json).
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
+import uuid
 import warnings
 
 import numpy as np
@@ -40,15 +42,27 @@ DRAIN_WAIT_S = 0.1     # how long an open drain waits for a delivery before answ
 @ray.remote(num_cpus=0)
 class _Mailbox:
     """A transport's inbox: peers deliver (message, payload refs); the owner drains. An async
-    actor, so that deliveries run while a drain waits for them."""
+    actor, so that deliveries run while a drain waits for them. Ray does not keep an async
+    actor's tasks in their submission order, so each sender numbers its deliveries and the
+    mailbox releases them in that order (the protocol assumes a sender's messages arrive in
+    the order sent)."""
 
     def __init__(self) -> None:
         self.queue: list[tuple[bytes, list]] = []
         self.arrived = asyncio.Event()
+        self.next: dict[str, int] = {}                          # sender -> next number due
+        self.early: dict[tuple[str, int], tuple[bytes, list]] = {}
 
-    async def deliver(self, msg: bytes, refs: list) -> None:
-        self.queue.append((msg, refs))  # refs nested in a list stay refs (not fetched here)
-        self.arrived.set()
+    async def deliver(self, sender: str, number: int, msg: bytes, refs: list) -> None:
+        # refs nested in a list stay refs (not fetched here)
+        self.early[sender, number] = (msg, refs)
+        due = self.next.get(sender, 0)
+        while (sender, due) in self.early:
+            self.queue.append(self.early.pop((sender, due)))
+            due += 1
+        self.next[sender] = due
+        if self.queue:
+            self.arrived.set()
 
     async def drain(self, wait_s: float) -> list[tuple[bytes, list]]:
         """Everything delivered so far; if nothing is, the first delivery within wait_s."""
@@ -69,6 +83,10 @@ class RayTransport(KVTransport):
         super().__init__(name, **kwargs)
         self._mailbox = None
         self._drain: ray.ObjectRef | None = None          # our open drain call (module docstring)
+        # Our deliveries' numbers per peer, under a key of this instance's own (a transport
+        # that comes back under the same name starts again from 0).
+        self._sender = f"{self.name}/{uuid.uuid4().hex[:8]}"
+        self._sent: dict[str, int] = {}
         self._mailboxes: dict[str, ray.actor.ActorHandle] = {}
         self._refs: dict[str, list] = {}                 # transfer id → payload refs received
         self._sends: list[tuple[str, ray.ObjectRef]] = []  # deliveries not yet confirmed
@@ -111,7 +129,10 @@ class RayTransport(KVTransport):
         self._deliver(peer, msg, [])
 
     def _deliver(self, peer: str, msg: Message, refs: list) -> None:
-        self._sends.append((peer, self._mailboxes[peer].deliver.remote(msg.encode(), refs)))
+        number = self._sent.get(peer, 0)
+        self._sent[peer] = number + 1
+        self._sends.append((peer, self._mailboxes[peer].deliver.remote(
+            self._sender, number, msg.encode(), refs)))
 
     def _recv(self) -> list[bytes]:
         self._note_failed_deliveries()
