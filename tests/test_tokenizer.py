@@ -11,6 +11,7 @@ from pd_cluster.tokenizer import (
     IncrementalDetokenizer,
     StopChecker,
     Tokenizer,
+    _plain_fast_tokenizer,
     find_stop,
     load_tokenizer,
     partial_stop_length,
@@ -162,3 +163,29 @@ def test_stream_is_always_a_prefix_of_the_final_output() -> None:
             assert expected.startswith(shown), (stops, text, shown)
         shown += checker.flush()
         assert shown == expected == checker.text and checker.stopped == (cut is not None)
+
+
+def test_generic_fast_tokenizer_loads_what_auto_tokenizer_would(
+    tokenizer: Tokenizer, default_model_dir: str
+) -> None:
+    # The default model's tokenizer_config names PreTrainedTokenizerFast: loaded directly.
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(default_model_dir)
+    assert type(tokenizer.hf) is type(auto)
+    assert tokenizer.hf.all_special_tokens == auto.all_special_tokens
+    assert tokenizer.encode(MULTILINGUAL) == list(auto.encode(MULTILINGUAL))
+    chat = [{"role": "user", "content": MULTILINGUAL}]
+    text = auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(chat) == list(auto.encode(text, add_special_tokens=False))
+    assert _plain_fast_tokenizer(Path(default_model_dir))      # and it took the direct path
+
+
+def test_a_tokenizer_class_of_its_own_goes_through_auto_tokenizer(tmp_path: Path) -> None:
+    path = _word_level_tokenizer_dir(tmp_path, 1)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert not _plain_fast_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    assert tokenizer is not None and type(tokenizer.hf).__name__ == "GPT2Tokenizer"
