@@ -212,6 +212,10 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
         "GPUs (ranks) one engine replica spans: heads, MLP and vocabulary split across them; "
         "ranks other than the first run in child processes of the engine's"))
+    peer_all_reduce: bool = Field(True, description=(
+        "tensor parallel on GPUs that can map each other's memory (NVLink): decode-sized "
+        "all-reduces read the other GPUs' buffers directly in one kernel instead of going "
+        "through NCCL; false: NCCL for all"))
     speculative: SpeculativeConfig | None = Field(None, description=(
         "speculative decoding on the decoding engine (ngram or draft_model); null: off"))
 

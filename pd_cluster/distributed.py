@@ -6,11 +6,15 @@ pays nothing for tensor parallelism.
 
 Two groups over the same ranks: `device_group` (the WORLD group: NCCL on GPU, gloo on CPU)
 moves tensors of the forward pass; `cpu_group` (always gloo) moves pickled Python objects,
-which NCCL cannot carry without a round trip through the device.
+which NCCL cannot carry without a round trip through the device. On GPUs that can map each
+other's memory, decode-sized all-reduces skip NCCL (`peer`: pd_cluster/peer_all_reduce.py).
+
+One tensor-parallel engine per process at a time: its ranks hold the process's default
+group, which `destroy_tp` (the engine's close) gives back for the next one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +31,7 @@ class TPGroup:
     size: int = 1
     device_group: Any = None   # tensors of the forward pass (None at size 1)
     cpu_group: Any = None      # Python objects, over gloo (None at size 1)
+    peer: Any = None           # PeerAllReduce for small all-reduces (None: NCCL for all)
 
 
 _tp = TPGroup()
@@ -43,6 +48,9 @@ def init_tp(rank: int, size: int, init_method: str, backend: str,
     have). `timeout_s` also bounds every later collective: a dead rank fails the others
     instead of hanging them."""
     global _tp
+    if dist.is_initialized():
+        raise RuntimeError("this process already holds a tensor-parallel engine's group: close "
+                           "that engine first (LLM.close(), or `with LLM(...)`), one at a time")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     device_group = dist.group.WORLD
@@ -52,9 +60,30 @@ def init_tp(rank: int, size: int, init_method: str, backend: str,
     return _tp
 
 
+def enable_peer_all_reduce(devices: list[torch.device], wanted: bool = True) -> bool:
+    """Collective over the group's GPUs (`devices`, in rank order): route small all-reduces
+    through peer memory if every rank can map every other's GPU (and `wanted`); else, or if
+    any rank cannot, all stay on NCCL. Also starts NCCL's communicator, so that CUDA graph
+    capture finds it made. Returns whether the peer path is on."""
+    global _tp
+    from pd_cluster.peer_all_reduce import PeerAllReduce, peers_reachable
+
+    dist.all_reduce(torch.zeros(1, device=devices[_tp.rank]), group=_tp.device_group)
+    votes: list[Any] = [None] * _tp.size
+    dist.all_gather_object(votes, wanted and peers_reachable(devices[_tp.rank], devices),
+                           group=_tp.cpu_group)
+    if not all(votes):
+        return False
+    _tp = replace(_tp, peer=PeerAllReduce(_tp.rank, _tp.size, devices[_tp.rank],
+                                          _tp.cpu_group))
+    return True
+
+
 def destroy_tp() -> None:
     """Leave the group; `get_tp()` is rank 0 of 1 again."""
     global _tp
+    if _tp.peer is not None:
+        _tp.peer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _tp = TPGroup()
@@ -63,6 +92,8 @@ def destroy_tp() -> None:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the ranks, in place; x itself at size 1."""
     if _tp.size > 1:
+        if _tp.peer is not None and _tp.peer.fits(x):
+            return _tp.peer(x)
         dist.all_reduce(x, group=_tp.device_group)
     return x
 

@@ -1,6 +1,7 @@
 """The offline API: `LLM(model).generate(prompts, params)` and `LLM(model).chat(messages)`."""
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -23,10 +24,14 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.engine = LLMEngine(EngineConfig.of(model=DEFAULT_MODEL if model is None else model,
                                                 **kwargs))
+        # A dropped LLM closes its engine, so the process can build the next one (a
+        # tensor-parallel engine holds the process's group until it is closed).
+        self._closer = weakref.finalize(self, self.engine.close)
 
     def close(self) -> None:
-        """Stop the engine's other ranks (`tensor_parallel_size` > 1); also on `with` exit."""
-        self.engine.close()
+        """Stop the engine's other ranks (`tensor_parallel_size` > 1); also on `with` exit
+        and when this LLM is garbage-collected."""
+        self._closer()
 
     def __enter__(self) -> LLM:
         return self

@@ -9,9 +9,11 @@ decode whose input token is still on the device (PENDING_TOKEN) takes it from th
 step's sampled tokens, on the device.
 
 With `tensor_parallel_size` N > 1 this runner is rank 0 of N: it starts ranks 1..N-1
-(pd_cluster/tp_workers.py), whose runners `follow` it: it broadcasts each step's host inputs
-(StepInputs), every rank runs the forward pass on its shard and computes the sampling rows'
-logits, rank 0 samples and broadcasts the tokens. Each rank's KV cache holds its own KV heads.
+(pd_cluster/tp_workers.py), whose runners `follow` it: it writes each step's host inputs
+(StepInputs) into a shared-memory ring (pd_cluster/step_channel.py) without waiting for the
+others, every rank runs the forward pass on its shard (a CUDA graph for decode steps, the
+all-reduces inside it) and computes the sampling rows' logits, rank 0 samples and broadcasts
+the tokens on the device. Each rank's KV cache holds its own KV heads.
 """
 from __future__ import annotations
 
@@ -36,27 +38,11 @@ from pd_cluster.request import PENDING_TOKEN, Request
 from pd_cluster.sampler import Sampler, Samples
 from pd_cluster.scheduler import SchedulerOutput
 from pd_cluster.spec_decode.verify import SpecRow, verify
+from pd_cluster.step_channel import StepChannel, StepInputs
 from pd_cluster.structured.constraint import GrammarConstraint
 from pd_cluster.upload import upload, upload_many
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's inputs on the host, as every tensor-parallel rank needs them."""
-
-    ids: np.ndarray            # [T] int64 input tokens (PENDING_TOKEN: filled on the device)
-    pos: np.ndarray            # [T] int64 positions
-    slots: np.ndarray          # [T] int64 KV slot of each token
-    sample_idx: np.ndarray     # [S] int64 rows of the hidden states that sample
-    fill_at: np.ndarray        # [F] int64 input rows whose token the last step sampled...
-    fill_from: np.ndarray      # [F] int64 ...from this row of its samples
-    q_start: list[int]         # [B + 1] query start of each sequence
-    seq_lens: list[int]        # [B] tokens in context after this step
-    tables: np.ndarray         # [B, max blocks] int32 block tables
-    num_decodes: int           # leading sequences with one query token
-    max_query_len: int
 
 
 @dataclass(slots=True)
@@ -114,10 +100,14 @@ class ModelRunner:
         self.tp_size = config.tensor_parallel_size
         self.workers: Any = None
         self.device = config.torch_device(rank)
-        if self.tp_size > 1 and rank == 0:
-            self._start_ranks((config, model_dir, model_cfg, max_model_len, model_name))
         if self.device.index is not None:     # a rank's own GPU: its kernels' default
             torch.cuda.set_device(self.device)
+        self.channel: StepChannel | None = None      # rank 0 of N: the followers' inputs
+        if self.tp_size > 1 and rank == 0:
+            self._start_ranks((config, model_dir, model_cfg, max_model_len, model_name))
+        if self.tp_size > 1 and self.device.type == "cuda":
+            dist.enable_peer_all_reduce([config.torch_device(r) for r in range(self.tp_size)],
+                                        config.peer_all_reduce)
         self.dtype = config.torch_dtype(model_cfg)
         self.block_size = config.block_size
         self.backend = select_backend(config, self.device)
@@ -156,9 +146,8 @@ class ModelRunner:
         self.grammar: GrammarConstraint | None = None    # set by an engine with a tokenizer
         self._last_tokens: torch.Tensor | None = None    # a follower's copy of the samples
         self.graphs = None
-        # Not yet with tensor parallelism: a graph would have to capture the collectives.
-        if (config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
-                and self.tp_size == 1):
+        # With tensor parallelism every rank captures the same sizes, collectives inside.
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend,
                                        min(config.max_num_seqs, 512), max_model_len,
                                        self.block_size, model_cfg.hidden_size, self.dtype)
@@ -202,14 +191,17 @@ class ModelRunner:
         from pd_cluster.tp_workers import RankWorkers, backend_for
 
         dist.check_tp(self.model_cfg, self.tp_size)
-        self.workers = RankWorkers(self.tp_size, runner_args)
+        self.channel = StepChannel.create(self.tp_size - 1)
+        self.workers = RankWorkers(self.tp_size, runner_args, self.channel.file.path)
         self.workers.start()
         try:
             dist.init_tp(0, self.tp_size, self.workers.init_method,
-                         backend_for(self.config.torch_device(0).type), self.workers.timeout_s)
+                         backend_for(self.device.type), self.workers.timeout_s)
         except BaseException:
             self.workers.close()
+            self.channel.close()
             raise
+        self.channel.unlink()       # every rank has it mapped: no name to leak from here on
 
     def close(self) -> None:
         """Rank 0 of a tensor-parallel engine: stop the other ranks, leave the group."""
@@ -218,10 +210,11 @@ class ModelRunner:
         workers, self.workers = self.workers, None
         try:
             if not workers.dead():
-                dist.broadcast_object(None)
+                self.channel.send(None, workers.timeout_s)
         except Exception:  # noqa: BLE001 - a rank is gone: reap what is left
             pass
         workers.close()
+        self.channel.close()
         dist.destroy_tp()
 
     @torch.inference_mode()
@@ -232,8 +225,9 @@ class ModelRunner:
         A plan with drafts is verified here, synchronously (`draft_probs`: a sampling draft
         model's q per request id)."""
         inputs = self._host_inputs(plan, prev)
-        if self.tp_size > 1:
-            dist.broadcast_object(inputs)
+        inputs.use_graph = self._graph_ok(inputs, listener)
+        if self.channel is not None:
+            self.channel.send(inputs, self.workers.timeout_s)
         if listener is not None:
             listener.before_forward(plan)
         logits = self._forward(inputs, prev.samples.tokens if inputs.fill_at.size else None,
@@ -281,12 +275,14 @@ class ModelRunner:
     def logits(self, plan: SchedulerOutput) -> torch.Tensor | None:
         """One forward of `plan` (no draft rows, no token on the device), returning the
         logits of its sampling rows: the draft model's step (pd_cluster/spec_decode/draft.py)."""
-        return self._forward(self._host_inputs(plan, None), None, None)
+        inputs = self._host_inputs(plan, None)
+        inputs.use_graph = self._graph_ok(inputs, None)
+        return self._forward(inputs, None, None)
 
     @torch.inference_mode()
-    def follow(self) -> None:
-        """Ranks 1..N-1: run every step rank 0 broadcasts, until it broadcasts None."""
-        while (inputs := dist.broadcast_object(None)) is not None:
+    def follow(self, channel: StepChannel) -> None:
+        """Ranks 1..N-1: run every step rank 0 writes to `channel`, until it writes None."""
+        while (inputs := channel.receive(self.rank - 1)) is not None:
             self._forward(inputs, self._last_tokens if inputs.fill_at.size else None, None)
             if inputs.sample_idx.size:
                 tokens = torch.empty(inputs.sample_idx.size, dtype=torch.int64,
@@ -298,7 +294,7 @@ class ModelRunner:
         """The forward pass of one step: the logits of its sampling rows (None: no row
         samples). `last_tokens`: the samples of the step before, for PENDING_TOKEN inputs."""
         input_ids, positions, meta, sample_idx = self._upload(inputs, last_tokens)
-        if self._graph_ok(meta, listener):
+        if inputs.use_graph:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             ctx = ForwardContext(meta, self.kv_cache, self.backend,
@@ -308,10 +304,11 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[sample_idx])
 
-    def _graph_ok(self, meta: AttentionMetadata, listener: StepListener | None) -> bool:
+    def _graph_ok(self, inputs: StepInputs, listener: StepListener | None) -> bool:
         # Graphs replay whole forwards: no per-layer hooks, decode-only batches that fit.
+        batch = len(inputs.seq_lens)
         return (self.graphs is not None and listener is None
-                and meta.num_decodes == meta.num_seqs and self.graphs.can_run(meta.num_seqs))
+                and inputs.num_decodes == batch and self.graphs.can_run(batch))
 
     def _host_inputs(self, plan: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
         """The step's flattened inputs. A speculating request's k + 1 tokens (its last token

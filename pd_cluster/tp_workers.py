@@ -5,12 +5,12 @@ samples. Every rank holds its share of the weights and of the KV heads (pd_clust
 pd_cluster/models/). Per step (ModelRunner.execute on rank 0, ModelRunner.follow on the others):
 
     rank 0                                        rank r
-    broadcast_object(StepInputs)         ───────► receives them
-    forward: an all_reduce per row-parallel layer ◄──► the same
+    channel.send(StepInputs)  (shared memory) ───► channel.receive: the same inputs
+    forward: an all_reduce per row-parallel layer ◄──► the same (a CUDA graph for decodes)
     logits of the sampling rows: an all_gather    ◄──► the same
     sample; broadcast_tensor(tokens)     ───────► keeps them (a later step's input tokens)
     ...
-    broadcast_object(None)               ───────► leaves the loop, exits (shutdown)
+    channel.send(None)                   ───────► leaves the loop, exits (shutdown)
 
 Lifecycle: `RankWorkers.start` spawns the N-1 processes ('spawn': no forked CUDA context or
 threads); each joins the group and builds its ModelRunner while rank 0 joins and builds its own
@@ -19,15 +19,22 @@ threads); each joins the group and builds its ModelRunner while rank 0 joins and
 collective on the others (the transport reports the closed peer, at the latest the group's
 timeout): rank 0's step raises and the engine fails its requests, never hangs; a worker whose
 parent died exits (it checks every second).
+
+The children run `_worker_main` alone: they do not re-run the script that built the engine
+(multiprocessing's 'spawn' would import it again as `__mp_main__`, so a script without an
+`if __name__ == "__main__":` guard would start the engine again in every child).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
-from typing import Any
+import types
+from typing import Any, Iterator
 
 import torch.multiprocessing as mp
 
@@ -52,8 +59,10 @@ def backend_for(device_type: str) -> str:
 class RankWorkers:
     """The child processes of ranks 1..size-1; rank 0 (the caller) joins with `init_method`."""
 
-    def __init__(self, size: int, runner_args: tuple, timeout_s: float = GROUP_TIMEOUT_S):
+    def __init__(self, size: int, runner_args: tuple, channel_path: str,
+                 timeout_s: float = GROUP_TIMEOUT_S):
         self.size, self.runner_args, self.timeout_s = size, runner_args, timeout_s
+        self.channel_path = channel_path
         self.init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.procs: list[Any] = []
         self._kv_queue: Any = None
@@ -64,8 +73,10 @@ class RankWorkers:
         for rank in range(1, self.size):
             proc = ctx.Process(target=_worker_main, name=f"pd-tp-rank-{rank}", daemon=True,
                                args=(rank, self.size, self.init_method, self.timeout_s,
-                                     os.getpid(), self.runner_args, self._kv_queue))
-            proc.start()
+                                     os.getpid(), self.runner_args, self._kv_queue,
+                                     self.channel_path))
+            with _main_module_hidden():
+                proc.start()
             self.procs.append(proc)
 
     def kv_caches(self) -> dict[int, Any]:
@@ -101,20 +112,39 @@ class RankWorkers:
         self.procs = []
 
 
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While a child is spawned: a `__main__` without a file or spec, so the child does not
+    import the parent's script (it needs nothing from it: its target lives here)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, parent: int,
-                 runner_args: tuple, kv_queue: Any) -> None:
+                 runner_args: tuple, kv_queue: Any, channel_path: str) -> None:
     """A rank's process: join the group, build the model runner, hand rank 0 its KV cache,
     mirror rank 0's steps."""
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    import torch
+
     from pd_cluster.distributed import destroy_tp, init_tp
     from pd_cluster.model_runner import ModelRunner
+    from pd_cluster.step_channel import StepChannel
 
     config = runner_args[0]
-    init_tp(rank, size, init_method, backend_for(config.torch_device(rank).type), timeout_s)
+    channel = StepChannel.attach(channel_path, size - 1)    # before rank 0 unlinks it
+    device = config.torch_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)       # NCCL binds the rank to the current device
+    init_tp(rank, size, init_method, backend_for(device.type), timeout_s)
     try:
         runner = ModelRunner(*runner_args, rank=rank)
         kv_queue.put((rank, runner.kv_cache))
-        runner.follow()
+        runner.follow(channel)
     except Exception:  # noqa: BLE001 - rank 0 sees the broken collective; say why here
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)

@@ -1,0 +1,161 @@
+"""All-reduce over peer-mapped buffers, one-shot and two-shot: decode-sized messages without
+NCCL's latency (the idea of vLLM's and SGLang's custom all-reduce, written in Triton).
+
+Each rank of a group owns one buffer, and every rank can address every rank's buffer (CUDA
+IPC over NVLink on GPUs; shared memory on a CPU under the interpreter). The caller passes, per
+region, a table of the ranks' addresses as mapped in its own process:
+
+    sig_ptrs   int64 [WORLD]  signals  int64 [PROGRAMS, WORLD]: slot [p, s] is the last epoch
+                                       rank s's program p announced to this rank (starts at 0)
+    data_ptrs  int64 [WORLD]  data     2 halves of `half_elems` elements: copied-in inputs
+    red_ptrs   int64 [WORLD]  reduced  `half_elems` elements: a rank's reduced chunks (two-shot)
+
+Shapes: x [n] and out [n] (flattened; bf16, fp16 or fp32; n <= half_elems), the same n on
+every rank. out = the sum over ranks of x, added in fp32 in rank order, so every rank gets
+the same bits. Reference: `all_reduce_ref`.
+
+Programs: PROGRAMS of them at most, and program p always owns the chunks c with
+c % PROGRAMS == p, whatever n is. So two calls' programs touch the same bytes only if they are
+the same program, and a program need only synchronise with the same program on the other
+ranks: it writes its epoch into slot [p, me] of every peer's signals (release, after its
+stores) and waits until its own slots [p, s] reach that epoch (acquire). Epochs are counted
+on the device (`counters` int64 [PROGRAMS], this rank's, advanced by the kernel), so a CUDA
+graph replays the right ones.
+
+    one-shot (1 barrier):  x -> data[e % 2]; barrier; out = sum of every rank's data[e % 2]
+        (the parity makes one barrier enough: a rank that runs ahead into the next call
+        writes the other half while a peer may still be reading this one)
+    two-shot (2 barriers): x -> data[e % 2]; barrier; the chunks this rank owns are summed
+        into its `reduced` and out; barrier; the other chunks are copied from their owner's
+        `reduced`. Each rank reads 2 (W - 1) / W of the message instead of W - 1 messages.
+
+A peer that never arrives (its process died) does not hang the GPU: a program gives up after
+`max_spins` polls and sets failed[0] = 1; that output is garbage and the caller must fail.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PROGRAMS = 64       # chunk owners; at most this many programs run, all resident at once
+BLOCK = 4096        # elements a program moves per chunk (8 KB of bf16)
+SIGNAL_BYTES = PROGRAMS * 8 * 8     # signals for up to 8 ranks
+
+
+def all_reduce_ref(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the ranks' inputs, added in fp32 in rank order."""
+    acc = torch.zeros_like(xs[0], dtype=torch.float32)
+    for x in xs:
+        acc += x.float()
+    return acc.to(xs[0].dtype)
+
+
+@triton.jit
+def _ptr(table, rank, ELEM: tl.constexpr):
+    return tl.load(table + rank).to(tl.pointer_type(ELEM))
+
+
+@triton.jit
+def _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD: tl.constexpr):
+    tl.debug_barrier()      # every thread's stores of this program come before the signal
+    for s in tl.static_range(WORLD):
+        if s != rank:
+            peer = _ptr(sig_ptrs, s, tl.int64)
+            tl.atomic_xchg(peer + p * WORLD + rank, epoch, sem="release", scope="sys")
+    mine = _ptr(sig_ptrs, rank, tl.int64)
+    for s in tl.static_range(WORLD):
+        if s != rank:
+            seen = tl.atomic_add(mine + p * WORLD + s, 0, sem="acquire", scope="sys")
+            spins = 0
+            while (seen < epoch) & (spins < max_spins):
+                seen = tl.atomic_add(mine + p * WORLD + s, 0, sem="acquire", scope="sys")
+                spins += 1
+            if seen < epoch:
+                tl.store(failed, 1)
+    tl.debug_barrier()      # no thread reads a peer's data before the signals are in
+
+
+@triton.jit
+def _copy_in(X, dst, p, n, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
+        idx = c * BLOCK + offs
+        m = idx < n
+        tl.store(dst + idx, tl.load(X + idx, mask=m), mask=m)
+
+
+@triton.jit
+def _sum_chunk(data_ptrs, half, idx, m, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+               WORLD: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(WORLD):
+        src = _ptr(data_ptrs, s, ELEM) + half
+        acc += tl.load(src + idx, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc.to(ELEM)
+
+
+@triton.jit
+def _one_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, counters, failed, rank,
+                     max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                     PROGRAMS: tl.constexpr):
+    ELEM: tl.constexpr = X.dtype.element_ty
+    p = tl.program_id(0)
+    epoch = tl.load(counters + p) + 1
+    half = (epoch % 2) * half_elems
+    _copy_in(X, _ptr(data_ptrs, rank, ELEM) + half, p, n, BLOCK, PROGRAMS)
+    _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD)
+    offs = tl.arange(0, BLOCK)
+    for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
+        idx = c * BLOCK + offs
+        m = idx < n
+        tl.store(Out + idx, _sum_chunk(data_ptrs, half, idx, m, ELEM, BLOCK, WORLD), mask=m)
+    tl.store(counters + p, epoch)
+
+
+@triton.jit
+def _two_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, red_ptrs, counters, failed,
+                     rank, max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                     PROGRAMS: tl.constexpr):
+    ELEM: tl.constexpr = X.dtype.element_ty
+    p = tl.program_id(0)
+    epoch = tl.load(counters + p) + 1
+    half = (epoch % 2) * half_elems
+    _copy_in(X, _ptr(data_ptrs, rank, ELEM) + half, p, n, BLOCK, PROGRAMS)
+    _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD)
+    offs = tl.arange(0, BLOCK)
+    # A program's successive chunks go to successive owners, so every program has work.
+    for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
+        if (c // PROGRAMS) % WORLD == rank:
+            idx = c * BLOCK + offs
+            m = idx < n
+            total = _sum_chunk(data_ptrs, half, idx, m, ELEM, BLOCK, WORLD)
+            tl.store(_ptr(red_ptrs, rank, ELEM) + idx, total, mask=m)
+            tl.store(Out + idx, total, mask=m)
+    _barrier(sig_ptrs, rank, p, epoch + 1, max_spins, failed, WORLD)
+    for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
+        owner = (c // PROGRAMS) % WORLD
+        if owner != rank:
+            idx = c * BLOCK + offs
+            m = idx < n
+            src = _ptr(red_ptrs, owner, ELEM)
+            tl.store(Out + idx, tl.load(src + idx, mask=m, cache_modifier=".cg"), mask=m)
+    tl.store(counters + p, epoch + 1)
+
+
+def peer_all_reduce(x: torch.Tensor, out: torch.Tensor, half_elems: int, rank: int,
+                    world: int, sig_ptrs: torch.Tensor, data_ptrs: torch.Tensor,
+                    red_ptrs: torch.Tensor, counters: torch.Tensor, failed: torch.Tensor,
+                    two_shot: bool, max_spins: int = 1 << 24) -> torch.Tensor:
+    """out <- the sum over the ranks of x (see the module docstring for the buffers)."""
+    n = x.numel()
+    assert x.is_contiguous() and out.is_contiguous() and n <= half_elems
+    grid = (min(PROGRAMS, triton.cdiv(n, BLOCK)),)
+    common = dict(WORLD=world, BLOCK=BLOCK, PROGRAMS=PROGRAMS, num_warps=8)
+    if two_shot:
+        _two_shot_kernel[grid](x, out, n, half_elems, sig_ptrs, data_ptrs, red_ptrs, counters,
+                               failed, rank, max_spins, **common)
+    else:
+        _one_shot_kernel[grid](x, out, n, half_elems, sig_ptrs, data_ptrs, counters, failed,
+                               rank, max_spins, **common)
+    return out

@@ -1,0 +1,80 @@
+"""The tensor-parallel group's all-reduce for decode-sized messages: every rank reads the
+others' inputs straight from their memory (kernels/peer_all_reduce.py), one launch, no NCCL.
+
+A decode step of a TP model all-reduces after every row-parallel layer: 2 x layers messages
+of batch x hidden values (a 70B model at batch 64: 160 messages of 1 MB a step). NCCL's
+latency for such a message is several times the time NVLink needs to move it, so these go
+through `PeerAllReduce`; larger ones (prefill) and groups whose GPUs cannot map each other's
+memory keep NCCL (pd_cluster/distributed.py chooses, by size alone, so every rank chooses
+alike).
+
+Lifecycle: every rank builds one at the same point (a collective over the group's gloo
+group: all or none of the ranks get one), calls it with the same sequence of shapes, and
+closes it when the engine closes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pd_cluster import peer_memory
+
+logger = logging.getLogger(__name__)
+
+MAX_BYTES = 8 << 20         # a decode graph's largest message: 512 rows x 8192 x bf16
+ONE_SHOT_MAX_BYTES = 256 << 10   # above this (and more than 2 ranks) two-shot reads less
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def peers_reachable(device: torch.device, group: list[torch.device]) -> bool:
+    """Whether this rank's GPU can map the memory of every other GPU of the group."""
+    return all(torch.cuda.can_device_access_peer(device.index, d.index)
+               for d in group if d != device)
+
+
+class PeerAllReduce:
+    def __init__(self, rank: int, world: int, device: torch.device, cpu_group: Any,
+                 max_bytes: int = MAX_BYTES):
+        from kernels import peer_all_reduce as k
+
+        self.rank, self.world, self.device, self.max_bytes = rank, world, device, max_bytes
+        self._kernels = k
+        data = 2 * max_bytes
+        self.memory = peer_memory.allocate(k.SIGNAL_BYTES + data + max_bytes, device)
+        handles: list[Any] = [None] * world
+        dist.all_gather_object(handles, self.memory.handle, group=cpu_group)
+        bases = [self.memory.address if r == rank else self.memory.open(h)
+                 for r, h in enumerate(handles)]
+        # Every rank has mapped every region before any rank signals into one.
+        dist.barrier(group=cpu_group)
+
+        def table(offset: int) -> torch.Tensor:
+            return torch.tensor([b + offset for b in bases], dtype=torch.int64, device=device)
+
+        self.sig_ptrs = table(0)
+        self.data_ptrs = table(k.SIGNAL_BYTES)
+        self.red_ptrs = table(k.SIGNAL_BYTES + data)
+        self.counters = torch.zeros(k.PROGRAMS, dtype=torch.int64, device=device)
+        self.failed = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether x goes through this all-reduce (a decision every rank makes alike)."""
+        return (x.dtype in DTYPES and x.is_contiguous()
+                and x.numel() * x.element_size() <= self.max_bytes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x <- the sum of every rank's x, in place."""
+        two_shot = self.world > 2 and x.numel() * x.element_size() > ONE_SHOT_MAX_BYTES
+        return self._kernels.peer_all_reduce(
+            x, x, self.max_bytes // x.element_size(), self.rank, self.world, self.sig_ptrs,
+            self.data_ptrs, self.red_ptrs, self.counters, self.failed, two_shot)
+
+    def peer_lost(self) -> bool:
+        """Whether a call gave up waiting for a peer (its output was garbage). Synchronizes."""
+        return bool(self.failed.item())
+
+    def close(self) -> None:
+        self.memory.close()
