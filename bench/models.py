@@ -14,11 +14,13 @@ LLAMA_31_8B = {
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }
+LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672,
+                "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
 # A CPU-sized Llama over SmolLM2's 49,152-token vocabulary (scripts' smoke runs).
 TINY_LLAMA = {**LLAMA_31_8B, "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 4096, "rope_scaling": None, "torch_dtype": "float32"}
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "tiny-llama": TINY_LLAMA}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "tiny-llama": TINY_LLAMA}
 
 
 def dummy_model_dir(shape: str = "llama-3.1-8b", tokenizer_from: str | None = None) -> str:

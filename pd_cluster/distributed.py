@@ -14,6 +14,7 @@ group, which `destroy_tp` (the engine's close) gives back for the next one.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from pd_cluster.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,6 @@ def init_tp(rank: int, size: int, init_method: str, backend: str,
     have). `timeout_s` also bounds every later collective: a dead rank fails the others
     instead of hanging them."""
     global _tp
-    if dist.is_initialized():
-        raise RuntimeError("this process already holds a tensor-parallel engine's group: close "
-                           "that engine first (LLM.close(), or `with LLM(...)`), one at a time")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     device_group = dist.group.WORLD
@@ -60,22 +60,38 @@ def init_tp(rank: int, size: int, init_method: str, backend: str,
     return _tp
 
 
+def check_no_group() -> None:
+    """Raise if this process already holds a tensor-parallel engine's group (before a new
+    engine starts any rank)."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already runs a tensor-parallel engine: close it first "
+                           "(LLM.close(), `with LLM(...) as llm:`, or drop every reference to "
+                           "it); one tensor-parallel engine per process at a time")
+
+
 def enable_peer_all_reduce(devices: list[torch.device], wanted: bool = True) -> bool:
     """Collective over the group's GPUs (`devices`, in rank order): route small all-reduces
     through peer memory if every rank can map every other's GPU (and `wanted`); else, or if
     any rank cannot, all stay on NCCL. Also starts NCCL's communicator, so that CUDA graph
     capture finds it made. Returns whether the peer path is on."""
     global _tp
-    from pd_cluster.peer_all_reduce import PeerAllReduce, peers_reachable
+    from pd_cluster.peer_all_reduce import PeerAllReduce, PeerUnavailable, peers_reachable
 
     dist.all_reduce(torch.zeros(1, device=devices[_tp.rank]), group=_tp.device_group)
     votes: list[Any] = [None] * _tp.size
     dist.all_gather_object(votes, wanted and peers_reachable(devices[_tp.rank], devices),
                            group=_tp.cpu_group)
     if not all(votes):
+        if wanted:
+            logger.info("tensor parallel: NCCL for every all-reduce (not every pair of GPUs "
+                        "can map each other's memory)")
         return False
-    _tp = replace(_tp, peer=PeerAllReduce(_tp.rank, _tp.size, devices[_tp.rank],
-                                          _tp.cpu_group))
+    try:
+        peer = PeerAllReduce(_tp.rank, _tp.size, devices[_tp.rank], _tp.cpu_group)
+    except PeerUnavailable as e:
+        logger.warning("tensor parallel: NCCL for every all-reduce; peer memory failed: %s", e)
+        return False
+    _tp = replace(_tp, peer=peer)
     return True
 
 

@@ -191,6 +191,7 @@ class ModelRunner:
         from pd_cluster.tp_workers import RankWorkers, backend_for
 
         dist.check_tp(self.model_cfg, self.tp_size)
+        dist.check_no_group()
         self.channel = StepChannel.create(self.tp_size - 1)
         self.workers = RankWorkers(self.tp_size, runner_args, self.channel.file.path)
         self.workers.start()

@@ -27,12 +27,18 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 8 << 20         # a decode graph's largest message: 512 rows x 8192 x bf16
 ONE_SHOT_MAX_BYTES = 256 << 10   # above this (and more than 2 ranks) two-shot reads less
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Polls of a peer's signal before a program gives up on it (a dead rank): seconds on a GPU.
+MAX_SPINS = 1 << 24
 
 
 def peers_reachable(device: torch.device, group: list[torch.device]) -> bool:
     """Whether this rank's GPU can map the memory of every other GPU of the group."""
     return all(torch.cuda.can_device_access_peer(device.index, d.index)
                for d in group if d != device)
+
+
+class PeerUnavailable(RuntimeError):
+    """Some rank could not share or map peer memory (every rank raises it alike)."""
 
 
 class PeerAllReduce:
@@ -43,13 +49,10 @@ class PeerAllReduce:
         self.rank, self.world, self.device, self.max_bytes = rank, world, device, max_bytes
         self._kernels = k
         data = 2 * max_bytes
-        self.memory = peer_memory.allocate(k.SIGNAL_BYTES + data + max_bytes, device)
-        handles: list[Any] = [None] * world
-        dist.all_gather_object(handles, self.memory.handle, group=cpu_group)
-        bases = [self.memory.address if r == rank else self.memory.open(h)
-                 for r, h in enumerate(handles)]
+        self.memory = self._share(k.SIGNAL_BYTES + data + max_bytes, cpu_group)
         # Every rank has mapped every region before any rank signals into one.
         dist.barrier(group=cpu_group)
+        bases = self._bases
 
         def table(offset: int) -> torch.Tensor:
             return torch.tensor([b + offset for b in bases], dtype=torch.int64, device=device)
@@ -59,6 +62,32 @@ class PeerAllReduce:
         self.red_ptrs = table(k.SIGNAL_BYTES + data)
         self.counters = torch.zeros(k.PROGRAMS, dtype=torch.int64, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
+        self.max_spins = MAX_SPINS
+
+    def _share(self, nbytes: int, cpu_group: Any) -> peer_memory.PeerMemory:
+        """Allocate this rank's region and map every other's; all ranks or none."""
+        memory, problem = None, ""
+        try:
+            memory = peer_memory.allocate(nbytes, self.device)
+        except (OSError, RuntimeError) as e:
+            problem = f"rank {self.rank}: {e}"
+        handles: list[Any] = [None] * self.world
+        dist.all_gather_object(handles, memory.handle if memory else problem, group=cpu_group)
+        problems = [h for h in handles if isinstance(h, str)]
+        if not problems:
+            try:
+                self._bases = [memory.address if r == self.rank else memory.open(h)
+                               for r, h in enumerate(handles)]
+            except (OSError, RuntimeError) as e:
+                problem = f"rank {self.rank}: {e}"
+            votes: list[Any] = [None] * self.world
+            dist.all_gather_object(votes, problem, group=cpu_group)
+            problems = [v for v in votes if v]
+        if problems:
+            if memory is not None:
+                memory.close()
+            raise PeerUnavailable("; ".join(problems))
+        return memory
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether x goes through this all-reduce (a decision every rank makes alike)."""
@@ -70,7 +99,7 @@ class PeerAllReduce:
         two_shot = self.world > 2 and x.numel() * x.element_size() > ONE_SHOT_MAX_BYTES
         return self._kernels.peer_all_reduce(
             x, x, self.max_bytes // x.element_size(), self.rank, self.world, self.sig_ptrs,
-            self.data_ptrs, self.red_ptrs, self.counters, self.failed, two_shot)
+            self.data_ptrs, self.red_ptrs, self.counters, self.failed, two_shot, self.max_spins)
 
     def peer_lost(self) -> bool:
         """Whether a call gave up waiting for a peer (its output was garbage). Synchronizes."""

@@ -132,6 +132,7 @@ def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, paren
     import torch
 
     from pd_cluster.distributed import destroy_tp, init_tp
+    from pd_cluster.engine import freeze_startup_heap
     from pd_cluster.model_runner import ModelRunner
     from pd_cluster.step_channel import StepChannel
 
@@ -144,6 +145,8 @@ def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, paren
     try:
         runner = ModelRunner(*runner_args, rank=rank)
         kv_queue.put((rank, runner.kv_cache))
+        if device.type == "cuda":
+            freeze_startup_heap()   # as rank 0 does: no collection walks the model mid-step
         runner.follow(channel)
     except Exception:  # noqa: BLE001 - rank 0 sees the broken collective; say why here
         logger.exception("tensor-parallel rank %d failed", rank)

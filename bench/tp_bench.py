@@ -1,0 +1,141 @@
+"""Tensor parallelism against one GPU, in one run: decode steps, prefill, and where TP's time goes.
+
+    python bench/tp_bench.py [--shape llama-3.1-8b] [--tp 1,2] [--batches 64,128]
+        [--context 1024] [--prefill 8x2048] [--quantization fp8] [--kv-cache-dtype fp8]
+
+Each TP size runs in a process of its own (one after another, GPUs 0..N-1), and the parent
+prints one JSON object: each run's results and, for every size after the first, its ratios to
+the first. Per decode batch (the batch prefilled, then `--steps` decode-only steps timed
+through `engine.step()` with async scheduling, as bench/engine_bench.py does):
+- output tok/s and the step time against its roofline: the bytes one GPU must read a step
+  (its share of the weights and of the batch's KV) over the copy rate measured on GPU 0;
+- the time rank 0's GPU spends in collectives per step (kernels of the peer all-reduce, and
+  NCCL's), from a profile of 8 more steps: it includes waiting for the other ranks.
+Prefill: `--prefill N x L` prompts of random tokens, one output token each, tok/s (the best of
+three after a warm-up).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.engine_bench import copy_bandwidth, decode_steps, prefill, start_decoding  # noqa: E402
+from bench.models import SHAPES, dummy_model_dir, kv_bytes_per_token, params_bytes  # noqa: E402
+
+COLLECTIVE_KERNELS = ("one_shot", "two_shot", "nccl")
+
+
+def collective_ms(llm, batch: int, context: int, steps: int = 8) -> dict:
+    """Rank 0's GPU time per decode step in collective kernels, by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    ids = start_decoding(engine, batch, context, 1000, 120000, seed=batch)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for i in ids:
+        engine.abort(i)
+    while engine.has_unfinished():
+        engine.step()
+    kinds: dict[str, float] = {}
+    calls: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA":
+            continue
+        kind = next((k for k in COLLECTIVE_KERNELS if k in e.key.lower()), None)
+        if kind is not None:
+            kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / steps / 1e3
+            calls[kind] = calls.get(kind, 0.0) + e.count / steps
+    return {"batch": batch, "ms_per_step": kinds, "calls_per_step": calls,
+            "total_ms_per_step": sum(kinds.values())}
+
+
+def run_one(args) -> dict:
+    from pd_cluster import LLM
+
+    cfg = SHAPES[args.shape]
+    fp8_weights, fp8_kv = args.quantization == "fp8", args.kv_cache_dtype == "fp8"
+    tp = args.tp_one
+    local_kv = max(1, cfg["num_key_value_heads"] // tp)
+    weight_bytes = params_bytes(cfg, 2, 1 if fp8_weights else None) / tp
+    kv_token_bytes = (kv_bytes_per_token(cfg, 1 if fp8_kv else 2) * local_kv
+                      / cfg["num_key_value_heads"])
+    batches = [int(b) for b in args.batches.split(",")]
+    res = {"tp": tp, "device": torch.cuda.get_device_name(), "shape": args.shape,
+           "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+           "weight_gb_per_gpu": weight_bytes / 1e9, "kv_bytes_per_token_per_gpu": kv_token_bytes}
+    bw = copy_bandwidth()
+    res["copy_bandwidth_GBps"] = bw / 1e9
+    began = time.perf_counter()
+    llm = LLM(dummy_model_dir(args.shape), load_format="dummy", dtype="bfloat16",
+              tensor_parallel_size=tp, max_num_seqs=max(batches), max_num_batched_tokens=16384,
+              max_model_len=args.context + 512, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
+    res["engine_start_s"] = time.perf_counter() - began
+    res["peer_all_reduce"] = _peer_on()
+    res["decode"] = [decode_steps(llm, b, args.context, args.steps, bw, weight_bytes,
+                                  kv_token_bytes) for b in batches]
+    if tp > 1:
+        res["collectives"] = [collective_ms(llm, b, args.context) for b in batches]
+    if args.prefill:
+        n, length = (int(v) for v in args.prefill.split("x"))
+        res["prefill"] = prefill(llm, n, length)
+    llm.close()
+    return res
+
+
+def _peer_on() -> bool:
+    from pd_cluster.distributed import get_tp
+
+    return get_tp().peer is not None
+
+
+def ratios(base: dict, run: dict) -> dict:
+    out = {f"decode_b{a['batch']}_tok_s": b["output_tok_s"] / a["output_tok_s"]
+           for a, b in zip(base["decode"], run["decode"])}
+    if "prefill" in base and "prefill" in run:
+        out["prefill_tok_s"] = run["prefill"]["tok_s"] / base["prefill"]["tok_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--tp", default="1,2", help="TP sizes, run one after another")
+    ap.add_argument("--batches", default="64,128")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefill", default="8x2048", help="N x L, or empty for none")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--tp-one", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tp_one is not None:
+        print(json.dumps(run_one(args)))
+        return
+    runs = []
+    for tp in args.tp.split(","):
+        argv = [a for a in sys.argv[1:]] + ["--tp-one", tp]
+        done = subprocess.run([sys.executable, __file__, *argv], capture_output=True,
+                              text=True, timeout=1200)
+        if done.returncode != 0:
+            sys.stderr.write(done.stderr[-4000:])
+            raise SystemExit(f"tp={tp} failed ({done.returncode})")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    result = {"runs": runs,
+              "ratios_to_first": {str(r["tp"]): ratios(runs[0], r) for r in runs[1:]}}
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The peer-memory all-reduce (pd_cluster/peer_all_reduce.py, kernels/peer_all_reduce.py) on
+CPU ranks: real processes, a real gloo group, shared memory that each maps, and the Triton
+kernels under the interpreter, so the protocol itself (epochs on the device, the one-shot's
+parity halves, the two-shot's owners) is what runs.
+
+- A run of all-reduces of changing sizes and dtypes, in place, equals the sum added in fp32 in
+  rank order on every rank: two ranks (one-shot), three ranks (two-shot above 256 KB).
+- A rank whose peer never arrives stops waiting after its spin budget and reports the peer
+  lost, instead of hanging.
+"""
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+
+from pd_cluster.tp_workers import free_tcp_port
+
+# (elements, dtype): one chunk; chunks across programs; several chunks per program (over 64
+# chunks of 4096), which is two-shot at three ranks; a single element.
+CALLS = [(5, torch.float32), (4096 * 3 + 7, torch.float16), (4096 * 70 + 1, torch.float32),
+         (300, torch.float32), (4096 * 70 + 1, torch.float16), (1, torch.float16)]
+
+
+def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool) -> None:
+    from kernels.testing import use_interpreter_without_gpu
+
+    use_interpreter_without_gpu()
+    import torch.distributed as dist
+
+    from kernels.peer_all_reduce import all_reduce_ref
+    from pd_cluster.peer_all_reduce import PeerAllReduce
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    peer = PeerAllReduce(rank, world, torch.device("cpu"), dist.group.WORLD, max_bytes=2 << 20)
+    if lose_peer:
+        peer.max_spins = 2000
+        if rank == 0:
+            peer(torch.ones(10))
+        out.put((rank, peer.peer_lost()))
+    else:
+        wrong = []
+        for i, (n, dtype) in enumerate(calls * 2):      # twice: both parity halves reused
+            xs = [torch.randn(n, generator=torch.Generator().manual_seed(i * 7 + r)).to(dtype)
+                  for r in range(world)]
+            got = xs[rank].clone()
+            peer(got)
+            if not torch.equal(got, all_reduce_ref(xs)):
+                wrong.append((n, str(dtype)))
+        out.put((rank, wrong, peer.peer_lost()))
+    dist.barrier()
+    peer.close()
+    dist.destroy_process_group()
+
+
+def run_ranks(world: int, lose_peer: bool = False) -> list:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_tcp_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, CALLS, out, lose_peer),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=240) for _ in procs)
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * world
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
+def test_two_ranks_sum_every_size_exactly_one_shot():
+    assert run_ranks(2) == [(0, [], False), (1, [], False)]
+
+
+def test_three_ranks_sum_every_size_exactly_two_shot_for_large_messages():
+    assert run_ranks(3) == [(0, [], False), (1, [], False), (2, [], False)]
+
+
+def test_a_rank_whose_peer_never_arrives_gives_up_and_says_so():
+    assert run_ranks(2, lose_peer=True) == [(0, True), (1, False)]
