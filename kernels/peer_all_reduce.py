@@ -57,6 +57,16 @@ def _ptr(table, rank, ELEM: tl.constexpr):
 
 
 @triton.jit
+def _region(table, rank, X):
+    """Rank `rank`'s region as X plus an element offset, not as an address cast from an
+    integer: Triton knows X's alignment (16 bytes, `fits` checks it) but not a cast
+    address's, and vectorizes only loads and stores it knows to be aligned."""
+    ELEM_BYTES: tl.constexpr = X.dtype.element_ty.primitive_bitwidth // 8
+    delta = (tl.load(table + rank) - X.to(tl.int64)) // ELEM_BYTES
+    return X + tl.multiple_of(delta, 16 // ELEM_BYTES)
+
+
+@triton.jit
 def _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD: tl.constexpr):
     tl.debug_barrier()      # every thread's stores of this program come before the signal
     for s in tl.static_range(WORLD):
@@ -77,39 +87,45 @@ def _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _copy_in(X, dst, p, n, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+def _copy_in(X, data_ptrs, rank, half, p, n, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
     offs = tl.arange(0, BLOCK)
+    dst = _region(data_ptrs, rank, X)
     for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
         idx = c * BLOCK + offs
         m = idx < n
-        tl.store(dst + idx, tl.load(X + idx, mask=m), mask=m)
+        tl.store(dst + _in_half(half, c, BLOCK) + offs, tl.load(X + idx, mask=m), mask=m)
 
 
 @triton.jit
-def _sum_chunk(data_ptrs, half, idx, m, ELEM: tl.constexpr, BLOCK: tl.constexpr,
-               WORLD: tl.constexpr):
+def _in_half(half, c, BLOCK: tl.constexpr):
+    # Chunk c's first element in a half (a multiple of BLOCK, which the vectorizer must know).
+    return tl.multiple_of(half + c * BLOCK, BLOCK)
+
+
+@triton.jit
+def _sum_chunk(X, data_ptrs, half, c, m, BLOCK: tl.constexpr, WORLD: tl.constexpr):
+    offs = _in_half(half, c, BLOCK) + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(WORLD):
-        src = _ptr(data_ptrs, s, ELEM) + half
-        acc += tl.load(src + idx, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return acc.to(ELEM)
+        src = _region(data_ptrs, s, X)
+        acc += tl.load(src + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc.to(X.dtype.element_ty)
 
 
 @triton.jit
 def _one_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, counters, failed, rank,
                      max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                      PROGRAMS: tl.constexpr):
-    ELEM: tl.constexpr = X.dtype.element_ty
     p = tl.program_id(0)
     epoch = tl.load(counters + p) + 1
     half = (epoch % 2) * half_elems
-    _copy_in(X, _ptr(data_ptrs, rank, ELEM) + half, p, n, BLOCK, PROGRAMS)
+    _copy_in(X, data_ptrs, rank, half, p, n, BLOCK, PROGRAMS)
     _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD)
     offs = tl.arange(0, BLOCK)
     for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
         idx = c * BLOCK + offs
         m = idx < n
-        tl.store(Out + idx, _sum_chunk(data_ptrs, half, idx, m, ELEM, BLOCK, WORLD), mask=m)
+        tl.store(Out + idx, _sum_chunk(X, data_ptrs, half, c, m, BLOCK, WORLD), mask=m)
     tl.store(counters + p, epoch)
 
 
@@ -117,11 +133,10 @@ def _one_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, counters, faile
 def _two_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, red_ptrs, counters, failed,
                      rank, max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                      PROGRAMS: tl.constexpr):
-    ELEM: tl.constexpr = X.dtype.element_ty
     p = tl.program_id(0)
     epoch = tl.load(counters + p) + 1
     half = (epoch % 2) * half_elems
-    _copy_in(X, _ptr(data_ptrs, rank, ELEM) + half, p, n, BLOCK, PROGRAMS)
+    _copy_in(X, data_ptrs, rank, half, p, n, BLOCK, PROGRAMS)
     _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD)
     offs = tl.arange(0, BLOCK)
     # A program's successive chunks go to successive owners, so every program has work.
@@ -129,8 +144,8 @@ def _two_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, red_ptrs, count
         if (c // PROGRAMS) % WORLD == rank:
             idx = c * BLOCK + offs
             m = idx < n
-            total = _sum_chunk(data_ptrs, half, idx, m, ELEM, BLOCK, WORLD)
-            tl.store(_ptr(red_ptrs, rank, ELEM) + idx, total, mask=m)
+            total = _sum_chunk(X, data_ptrs, half, c, m, BLOCK, WORLD)
+            tl.store(_region(red_ptrs, rank, X) + idx, total, mask=m)
             tl.store(Out + idx, total, mask=m)
     _barrier(sig_ptrs, rank, p, epoch + 1, max_spins, failed, WORLD)
     for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
@@ -138,7 +153,7 @@ def _two_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, red_ptrs, count
         if owner != rank:
             idx = c * BLOCK + offs
             m = idx < n
-            src = _ptr(red_ptrs, owner, ELEM)
+            src = _region(red_ptrs, owner, X)
             tl.store(Out + idx, tl.load(src + idx, mask=m, cache_modifier=".cg"), mask=m)
     tl.store(counters + p, epoch + 1)
 

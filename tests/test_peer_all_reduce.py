@@ -7,9 +7,11 @@ parity halves, the two-shot's owners) is what runs.
   rank order on every rank: two ranks (one-shot), three ranks (two-shot above 256 KB).
 - A rank whose peer never arrives stops waiting after its spin budget and reports the peer
   lost, instead of hanging.
+- GPU (2 or more, NVLink): the same run in bf16 over CUDA IPC, bit for bit.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -21,10 +23,16 @@ CALLS = [(5, torch.float32), (4096 * 3 + 7, torch.float16), (4096 * 70 + 1, torc
          (300, torch.float32), (4096 * 70 + 1, torch.float16), (1, torch.float16)]
 
 
-def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool) -> None:
-    from kernels.testing import use_interpreter_without_gpu
-
-    use_interpreter_without_gpu()
+def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool,
+          device_type: str) -> None:
+    if device_type == "cpu":
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        from kernels.testing import use_interpreter_without_gpu
+        use_interpreter_without_gpu()
+    device = torch.device(device_type, rank if device_type == "cuda" else None)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
     import torch.distributed as dist
 
     from kernels.peer_all_reduce import all_reduce_ref
@@ -32,17 +40,17 @@ def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool) -
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    peer = PeerAllReduce(rank, world, torch.device("cpu"), dist.group.WORLD, max_bytes=2 << 20)
+    peer = PeerAllReduce(rank, world, device, dist.group.WORLD, max_bytes=2 << 20)
     if lose_peer:
         peer.max_spins = 2000
         if rank == 0:
-            peer(torch.ones(10))
+            peer(torch.ones(10, device=device))
         out.put((rank, peer.peer_lost()))
     else:
         wrong = []
         for i, (n, dtype) in enumerate(calls * 2):      # twice: both parity halves reused
-            xs = [torch.randn(n, generator=torch.Generator().manual_seed(i * 7 + r)).to(dtype)
-                  for r in range(world)]
+            xs = [torch.randn(n, generator=torch.Generator().manual_seed(i * 7 + r))
+                  .to(device=device, dtype=dtype) for r in range(world)]
             got = xs[rank].clone()
             peer(got)
             if not torch.equal(got, all_reduce_ref(xs)):
@@ -53,12 +61,13 @@ def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool) -
     dist.destroy_process_group()
 
 
-def run_ranks(world: int, lose_peer: bool = False) -> list:
+def run_ranks(world: int, lose_peer: bool = False, device_type: str = "cpu",
+              calls: list = CALLS) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_tcp_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, CALLS, out, lose_peer),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, calls, out, lose_peer,
+                                             device_type), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -83,3 +92,13 @@ def test_three_ranks_sum_every_size_exactly_two_shot_for_large_messages():
 
 def test_a_rank_whose_peer_never_arrives_gives_up_and_says_so():
     assert run_ranks(2, lose_peer=True) == [(0, True), (1, False)]
+
+
+@pytest.mark.gpu
+def test_gpus_sum_every_size_exactly_in_bf16():
+    world = min(4, torch.cuda.device_count())
+    if world < 2:
+        pytest.skip("needs two GPUs")
+    calls = CALLS + [(n, torch.bfloat16) for n, _ in CALLS] + [(4 << 20, torch.bfloat16)]
+    assert run_ranks(world, device_type="cuda", calls=calls) == \
+        [(r, [], False) for r in range(world)]
