@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
 from pathlib import Path
 
@@ -108,7 +109,15 @@ def main() -> None:
              for r in range(args.world)]
     for p in procs:
         p.start()
-    result = out.get(timeout=600)
+    while True:
+        try:
+            result = out.get(timeout=1)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise SystemExit("a rank failed")
     for p in procs:
         p.join(60)
     print(json.dumps(result, indent=1))

@@ -79,7 +79,8 @@ def run_one(args) -> dict:
     began = time.perf_counter()
     llm = LLM(dummy_model_dir(args.shape), load_format="dummy", dtype="bfloat16",
               tensor_parallel_size=tp, max_num_seqs=max(batches), max_num_batched_tokens=16384,
-              max_model_len=args.context + 512, quantization=args.quantization,
+              max_model_len=max(args.context + 512, _prefill_len(args) + 16),
+              quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
     res["engine_start_s"] = time.perf_counter() - began
     res["peer_all_reduce"] = _peer_on()
@@ -92,6 +93,10 @@ def run_one(args) -> dict:
         res["prefill"] = prefill(llm, n, length)
     llm.close()
     return res
+
+
+def _prefill_len(args) -> int:
+    return int(args.prefill.split("x")[1]) if args.prefill else 0
 
 
 def _peer_on() -> bool:

@@ -77,11 +77,12 @@ class CudaPeerMemory:
         torch.cuda.synchronize()        # zeroed before any peer can signal into it
         handle = _IpcHandle()
         _check(rt.cudaIpcGetMemHandle(ctypes.byref(handle), ptr), "cudaIpcGetMemHandle")
-        self.handle = bytes(handle.reserved)
+        self.handle = bytes(handle)     # all 64 bytes (`.reserved` would stop at a NUL)
 
     def open(self, handle: bytes) -> int:
         ptr = ctypes.c_void_p()
-        _check(_cudart().cudaIpcOpenMemHandle(ctypes.byref(ptr), _IpcHandle(handle),
+        _check(_cudart().cudaIpcOpenMemHandle(ctypes.byref(ptr),
+                                             _IpcHandle.from_buffer_copy(handle),
                                              IPC_LAZY_ENABLE_PEER_ACCESS),
                "cudaIpcOpenMemHandle")
         self._opened.append(ptr.value)

@@ -61,6 +61,21 @@ def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool,
     dist.destroy_process_group()
 
 
+def _get(out, procs: list, timeout_s: float = 240):
+    """The next rank's result; fails at once when a rank died without one."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=1)
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not failed, f"a rank exited with {failed}"
+    raise TimeoutError("no result from the ranks")
+
+
 def run_ranks(world: int, lose_peer: bool = False, device_type: str = "cpu",
               calls: list = CALLS) -> list:
     ctx = mp.get_context("spawn")
@@ -71,7 +86,7 @@ def run_ranks(world: int, lose_peer: bool = False, device_type: str = "cpu",
     for p in procs:
         p.start()
     try:
-        results = sorted(out.get(timeout=240) for _ in procs)
+        results = sorted(_get(out, procs) for _ in procs)
         for p in procs:
             p.join(60)
         assert [p.exitcode for p in procs] == [0] * world
