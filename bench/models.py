@@ -65,3 +65,26 @@ def params_bytes(cfg: dict, itemsize: int = 2, linear_itemsize: int | None = Non
 def kv_bytes_per_token(cfg: dict, itemsize: int = 2) -> int:
     d = cfg["hidden_size"] // cfg["num_attention_heads"]
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * itemsize
+
+
+def word_tokenizer(path: str, vocab_size: int) -> str:
+    """A word-level tokenizer of `vocab_size` ids in `path` (tokenizer.json and its config),
+    for a dummy model served through HTTP where no real tokenizer of its vocabulary can be
+    fetched: the load generator's words first (so its prompts are a token a word), then
+    fillers `w<id>`. Generated text reads as those words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from pd_cluster.benchmark.loadgen import _WORDS
+
+    words = ["<unk>", "<s>", "</s>"] + sorted(set(_WORDS))
+    vocab = {w: i for i, w in enumerate(words)}
+    vocab.update({f"w{i}": i for i in range(len(words), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")     # joins words with spaces
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                   "eos_token": "</s>", "unk_token": "<unk>"}, f)
+    return path
