@@ -10,7 +10,8 @@ through `engine.step()` with async scheduling, as bench/engine_bench.py does):
 - output tok/s and the step time against its roofline: the bytes one GPU must read a step
   (its share of the weights and of the batch's KV) over the copy rate measured on GPU 0;
 - the time rank 0's GPU spends in collectives per step (kernels of the peer all-reduce, and
-  NCCL's), from a profile of 8 more steps: it includes waiting for the other ranks.
+  NCCL's), from a profile of 8 more steps: it includes waiting for the other ranks; the
+  profile's kernel time per step and its top kernels.
 Prefill: `--prefill N x L` prompts of random tokens, one output token each, tok/s (the best of
 three after a warm-up).
 """
@@ -49,15 +50,18 @@ def collective_ms(llm, batch: int, context: int, steps: int = 8) -> dict:
         engine.step()
     kinds: dict[str, float] = {}
     calls: dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.device_type.name != "CUDA":
-            continue
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    for e in kernels:
         kind = next((k for k in COLLECTIVE_KERNELS if k in e.key.lower()), None)
         if kind is not None:
             kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / steps / 1e3
             calls[kind] = calls.get(kind, 0.0) + e.count / steps
     return {"batch": batch, "ms_per_step": kinds, "calls_per_step": calls,
-            "total_ms_per_step": sum(kinds.values())}
+            "total_ms_per_step": sum(kinds.values()),
+            "kernel_ms_per_step": sum(e.self_device_time_total for e in kernels) / steps / 1e3,
+            "top_kernels": [{"name": e.key[:70], "ms_per_step": e.self_device_time_total
+                             / steps / 1e3, "calls_per_step": e.count / steps} for e in top]}
 
 
 def run_one(args) -> dict:
@@ -86,8 +90,7 @@ def run_one(args) -> dict:
     res["peer_all_reduce"] = _peer_on()
     res["decode"] = [decode_steps(llm, b, args.context, args.steps, bw, weight_bytes,
                                   kv_token_bytes) for b in batches]
-    if tp > 1:
-        res["collectives"] = [collective_ms(llm, b, args.context) for b in batches]
+    res["collectives"] = [collective_ms(llm, b, args.context) for b in batches]
     if args.prefill:
         n, length = (int(v) for v in args.prefill.split("x"))
         res["prefill"] = prefill(llm, n, length)
