@@ -75,7 +75,8 @@ def run_one(args) -> dict:
     kv_token_bytes = (kv_bytes_per_token(cfg, 1 if fp8_kv else 2) * local_kv
                       / cfg["num_key_value_heads"])
     batches = [int(b) for b in args.batches.split(",")]
-    res = {"tp": tp, "device": torch.cuda.get_device_name(), "shape": args.shape,
+    extra = {k: json.loads(v) for k, v in (e.split("=", 1) for e in args.engine)}
+    res = {"engine_args": extra, "tp": tp, "device": torch.cuda.get_device_name(), "shape": args.shape,
            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
            "weight_gb_per_gpu": weight_bytes / 1e9, "kv_bytes_per_token_per_gpu": kv_token_bytes}
     bw = copy_bandwidth()
@@ -85,7 +86,7 @@ def run_one(args) -> dict:
               tensor_parallel_size=tp, max_num_seqs=max(batches), max_num_batched_tokens=16384,
               max_model_len=max(args.context + 512, _prefill_len(args) + 16),
               quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, **extra)
     res["engine_start_s"] = time.perf_counter() - began
     res["peer_all_reduce"] = _peer_on()
     res["decode"] = [decode_steps(llm, b, args.context, args.steps, bw, weight_bytes,
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--prefill", default="8x2048", help="N x L, or empty for none")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--engine", action="append", default=[], metavar="FIELD=JSON",
+                    help="another EngineConfig field, e.g. peer_all_reduce=false")
     ap.add_argument("--tp-one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tp_one is not None:
