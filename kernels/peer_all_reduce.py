@@ -29,6 +29,11 @@ graph replays the right ones.
         into its `reduced` and out; barrier; the other chunks are copied from their owner's
         `reduced`. Each rank reads 2 (W - 1) / W of the message instead of W - 1 messages.
 
+Fused with the residual add and RMSNorm that follow a row-parallel layer (`peer_all_reduce_
+rms_norm`, one-shot, a region `norm_ptrs` of its own): rows of x [T, hidden] instead of flat
+chunks, program p owning the rows r with r % PROGRAMS == p, and after the sum the row is
+added to the residual and normalised exactly as kernels/rmsnorm.py does (its FP8 quant too).
+
 A peer that never arrives (its process died) does not hang the GPU: a program gives up after
 `max_spins` polls and sets failed[0] = 1; that output is garbage and the caller must fail.
 """
@@ -37,6 +42,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8_quant import FP8, quantize_row
 
 PROGRAMS = 64       # chunk owners; at most this many programs run, all resident at once
 BLOCK = 4096        # elements a program moves per chunk (8 KB of bf16)
@@ -93,18 +100,18 @@ def _copy_in(X, data_ptrs, rank, half, p, n, BLOCK: tl.constexpr, PROGRAMS: tl.c
     for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
         idx = c * BLOCK + offs
         m = idx < n
-        tl.store(dst + _in_half(half, c, BLOCK) + offs, tl.load(X + idx, mask=m), mask=m)
+        tl.store(dst + _in_half(half, c * BLOCK, BLOCK) + offs, tl.load(X + idx, mask=m), mask=m)
 
 
 @triton.jit
-def _in_half(half, c, BLOCK: tl.constexpr):
-    # Chunk c's first element in a half (a multiple of BLOCK, which the vectorizer must know).
-    return tl.multiple_of(half + c * BLOCK, BLOCK)
+def _in_half(half, start, ALIGN: tl.constexpr):
+    # An element `start` of a half, a multiple of ALIGN, which the vectorizer must be told.
+    return tl.multiple_of(half + start, ALIGN)
 
 
 @triton.jit
 def _sum_chunk(X, data_ptrs, half, c, m, BLOCK: tl.constexpr, WORLD: tl.constexpr):
-    offs = _in_half(half, c, BLOCK) + tl.arange(0, BLOCK)
+    offs = _in_half(half, c * BLOCK, BLOCK) + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(WORLD):
         src = _region(data_ptrs, s, X)
@@ -156,6 +163,75 @@ def _two_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, red_ptrs, count
             src = _region(red_ptrs, owner, X)
             tl.store(Out + idx, tl.load(src + idx, mask=m, cache_modifier=".cg"), mask=m)
     tl.store(counters + p, epoch + 1)
+
+
+@triton.jit
+def _one_shot_rms_norm_kernel(X, Residual, ResidualOut, Weight, Out, Scale, eps, rows,
+                              half_elems, sig_ptrs, norm_ptrs, counters, failed, rank,
+                              max_spins, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                              ALIGN: tl.constexpr, WORLD: tl.constexpr,
+                              PROGRAMS: tl.constexpr, QUANT: tl.constexpr):
+    p = tl.program_id(0)
+    epoch = tl.load(counters + p) + 1
+    half = (epoch % 2) * half_elems
+    offs = tl.arange(0, BLOCK)
+    m = offs < HIDDEN
+    mine = _region(norm_ptrs, rank, X)
+    for r in range(p, rows, PROGRAMS):
+        at = _in_half(half, r * HIDDEN, ALIGN) + offs
+        tl.store(mine + at, tl.load(X + r * HIDDEN + offs, mask=m), mask=m)
+    _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD)
+    for r in range(p, rows, PROGRAMS):
+        at = _in_half(half, r * HIDDEN, ALIGN) + offs
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(WORLD):
+            src = _region(norm_ptrs, s, X)
+            acc += tl.load(src + at, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        total = acc.to(X.dtype.element_ty)              # what the all-reduce alone returns
+        res = tl.load(Residual + r * HIDDEN + offs, mask=m, other=0.0)
+        x = (total.to(tl.float32) + res.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(ResidualOut + r * HIDDEN + offs, x, mask=m)
+        h = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
+        normed = (h * inv_rms).to(X.dtype.element_ty)
+        w = tl.load(Weight + offs, mask=m, other=0.0)
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(X.dtype.element_ty)
+        if QUANT:
+            out, scale = quantize_row(out.to(tl.float32))
+            tl.store(Scale + r, scale)
+        tl.store(Out + r * HIDDEN + offs, out.to(Out.dtype.element_ty), mask=m)
+    tl.store(counters + p, epoch)
+
+
+def peer_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float, quantize: bool, half_elems: int, rank: int,
+                             world: int, sig_ptrs: torch.Tensor, norm_ptrs: torch.Tensor,
+                             counters: torch.Tensor, failed: torch.Tensor,
+                             max_spins: int = 1 << 24):
+    """x [T, hidden] (this rank's partial sums), residual [T, hidden] -> (out, residual_out):
+    residual_out = sum over ranks of x + residual, out = weight * rmsnorm(residual_out), as
+    kernels/rmsnorm.py `fused_add_rms_norm` gives them ((xq, scale) with `quantize`)."""
+    rows, hidden = x.shape
+    assert x.is_contiguous() and residual.is_contiguous() and x.numel() <= half_elems
+    out = torch.empty(x.shape, dtype=FP8 if quantize else x.dtype, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
+    residual_out = torch.empty_like(x)
+    block = triton.next_power_of_2(hidden)
+    _one_shot_rms_norm_kernel[(min(PROGRAMS, rows),)](
+        x, residual, residual_out, weight, out, weight if scale is None else scale, eps, rows,
+        half_elems, sig_ptrs, norm_ptrs, counters, failed, rank, max_spins, HIDDEN=hidden,
+        BLOCK=block, ALIGN=hidden & -hidden, WORLD=world, PROGRAMS=PROGRAMS, QUANT=quantize,
+        num_warps=min(max(block // 256, 4), 16))
+    return (out if scale is None else (out, scale)), residual_out
+
+
+def add_rms_norm_ref(xs: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-reduce, then the residual add and RMSNorm of kernels/rmsnorm.py, in torch."""
+    x = (all_reduce_ref(xs).float() + residual.float()).to(residual.dtype)
+    h = x.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * normed.float()).to(x.dtype), x
 
 
 def peer_all_reduce(x: torch.Tensor, out: torch.Tensor, half_elems: int, rank: int,

@@ -146,11 +146,26 @@ class ModelRunner:
         self.grammar: GrammarConstraint | None = None    # set by an engine with a tokenizer
         self._last_tokens: torch.Tensor | None = None    # a follower's copy of the samples
         self.graphs = None
-        # With tensor parallelism every rank captures the same sizes, collectives inside.
-        if config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend,
-                                       min(config.max_num_seqs, 512), max_model_len,
-                                       self.block_size, model_cfg.hidden_size, self.dtype)
+        max_batch = self._graph_batch_limit(min(config.max_num_seqs, 512))
+        if (config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
+                and max_batch > 0):
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend, max_batch,
+                                       max_model_len, self.block_size, model_cfg.hidden_size,
+                                       self.dtype)
+
+    def _graph_batch_limit(self, wanted: int) -> int:
+        """The largest batch decode graphs are captured for. With tensor parallelism every
+        rank captures the same sizes, the all-reduces inside, and only the peer all-reduce's:
+        NCCL's collectives captured through torch.distributed hung an H200 pair's start
+        (bench/tp_bench.py --engine peer_all_reduce=false), so without peer memory, and for
+        batches whose [batch, hidden] message is larger than it takes, decode runs eagerly."""
+        peer = dist.get_tp().peer
+        if self.tp_size == 1:
+            return wanted
+        if peer is None:
+            return 0
+        row_bytes = self.model_cfg.hidden_size * self.dtype.itemsize
+        return min(wanted, peer.max_bytes // row_bytes)
 
     def _rank_layout(self, rank: int, model_name: str, num_blocks: int) -> KVLayout:
         """The KV layout of `rank`'s cache: its window of the model's KV heads."""

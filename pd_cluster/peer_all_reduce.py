@@ -50,7 +50,7 @@ class PeerAllReduce:
         assert max_bytes % (k.BLOCK * 4) == 0, "every half must hold whole chunks"
         self._kernels = k
         data = 2 * max_bytes
-        self.memory = self._share(k.SIGNAL_BYTES + data + max_bytes, cpu_group)
+        self.memory = self._share(k.SIGNAL_BYTES + 2 * data + max_bytes, cpu_group)
         # Every rank has mapped every region before any rank signals into one.
         dist.barrier(group=cpu_group)
         bases = self._bases
@@ -61,6 +61,7 @@ class PeerAllReduce:
         self.sig_ptrs = table(0)
         self.data_ptrs = table(k.SIGNAL_BYTES)
         self.red_ptrs = table(k.SIGNAL_BYTES + data)
+        self.norm_ptrs = table(k.SIGNAL_BYTES + data + max_bytes)    # the fused kernel's
         self.counters = torch.zeros(k.PROGRAMS, dtype=torch.int64, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.max_spins = MAX_SPINS
@@ -103,6 +104,22 @@ class PeerAllReduce:
         return self._kernels.peer_all_reduce(
             x, x, self.max_bytes // x.element_size(), self.rank, self.world, self.sig_ptrs,
             self.data_ptrs, self.red_ptrs, self.counters, self.failed, two_shot, self.max_spins)
+
+    def fits_rows(self, x: torch.Tensor) -> bool:
+        """Whether x [T, hidden] can take the fused all-reduce + residual + RMSNorm."""
+        hidden = x.shape[-1]
+        return self.fits(x) and x.dim() == 2 and (hidden & -hidden) * x.element_size() >= 16
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float, quantize: bool):
+        """(weight * rmsnorm(sum of every rank's x + residual), that sum + residual): the
+        all-reduce of a row-parallel layer's output fused with the norm after it."""
+        if x.data_ptr() % 16:
+            x = x.clone()
+        return self._kernels.peer_all_reduce_rms_norm(
+            x, residual, weight, eps, quantize, self.max_bytes // x.element_size(), self.rank,
+            self.world, self.sig_ptrs, self.norm_ptrs, self.counters, self.failed,
+            self.max_spins)
 
     def peer_lost(self) -> bool:
         """Whether a call gave up waiting for a peer (its output was garbage). Synchronizes."""

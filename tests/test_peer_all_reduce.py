@@ -4,7 +4,9 @@ kernels under the interpreter, so the protocol itself (epochs on the device, the
 parity halves, the two-shot's owners) is what runs.
 
 - A run of all-reduces of changing sizes and dtypes, in place, equals the sum added in fp32 in
-  rank order on every rank: two ranks (one-shot), three ranks (two-shot above 256 KB).
+  rank order on every rank: two ranks (one-shot), three ranks (two-shot above 256 KB); the
+  all-reduce fused with the residual add and RMSNorm gives the residual exactly and the norm
+  as its torch reference does, interleaved with the plain ones.
 - A rank whose peer never arrives stops waiting after its spin budget and reports the peer
   lost, instead of hanging.
 - GPU (2 or more, NVLink): the same run in bf16 over CUDA IPC, bit for bit.
@@ -21,6 +23,10 @@ from pd_cluster.tp_workers import free_tcp_port
 # chunks of 4096), which is two-shot at three ranks; a single element.
 CALLS = [(5, torch.float32), (4096 * 3 + 7, torch.float16), (4096 * 70 + 1, torch.float32),
          (300, torch.float32), (4096 * 70 + 1, torch.float16), (1, torch.float16)]
+# The all-reduce fused with the residual add and RMSNorm: [rows, HIDDEN], rows past the 64
+# programs (two rows for some).
+HIDDEN = 64
+NORM_CALLS = [(3, torch.float32), (70, torch.float32), (1, torch.float16), (5, torch.float16)]
 
 
 def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool,
@@ -35,7 +41,7 @@ def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool,
         torch.cuda.set_device(device)
     import torch.distributed as dist
 
-    from kernels.peer_all_reduce import all_reduce_ref
+    from kernels.peer_all_reduce import add_rms_norm_ref, all_reduce_ref
     from pd_cluster.peer_all_reduce import PeerAllReduce
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -55,6 +61,17 @@ def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool,
             peer(got)
             if not torch.equal(got, all_reduce_ref(xs)):
                 wrong.append((n, str(dtype)))
+        for i, (rows, dtype) in enumerate(NORM_CALLS * 2):
+            g = torch.Generator().manual_seed(1000 + i)
+            xs = [torch.randn(rows, HIDDEN, generator=g).to(device=device, dtype=dtype)
+                  for _ in range(world)]
+            residual = torch.randn(rows, HIDDEN, generator=g).to(device=device, dtype=dtype)
+            weight = torch.rand(HIDDEN, generator=g).to(device=device, dtype=dtype)
+            out_ref, res_ref = add_rms_norm_ref(xs, residual, weight, 1e-5)
+            got, res = peer.add_rms_norm(xs[rank].clone(), residual, weight, 1e-5, False)
+            if not (torch.equal(res, res_ref) and torch.allclose(got.float(), out_ref.float(),
+                                                                 rtol=2e-3, atol=1e-5)):
+                wrong.append(("norm", rows, str(dtype)))
         out.put((rank, wrong, peer.peer_lost()))
     dist.barrier()
     peer.close()

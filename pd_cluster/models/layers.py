@@ -17,14 +17,18 @@ from pd_cluster.models.parallel import MergedColumnParallelLinear, RowParallelLi
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, quantize: bool = False):
+    def __init__(self, dim: int, eps: float, quantize: bool = False, reduce_input: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.quantize = quantize    # an FP8 layer reads the output: hand it over quantized
+        # x, when it comes with a residual, is a row-parallel layer's unreduced output.
+        self.reduce_input = reduce_input
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise x (after adding residual, if given). Returns x, or (x, new residual)."""
+        if self.reduce_input and residual is not None:
+            return ops.all_reduce_rms_norm(x, self.weight, self.eps, residual, self.quantize)
         return ops.rms_norm(x, self.weight, self.eps, residual, self.quantize)
 
 
@@ -86,13 +90,15 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)): gate and up column-parallel in one matmul, down
     row-parallel, so each rank's [T, intermediate / tp] activation never leaves it."""
 
-    def __init__(self, hidden: int, intermediate: int, quantization: str | None = None):
+    def __init__(self, hidden: int, intermediate: int, quantization: str | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
                                                        bias=False, quantization=quantization)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False,
-                                           quantization=quantization)
+                                           quantization=quantization,
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden] (summed over the ranks)."""
+        """x [T, hidden] -> [T, hidden] (summed over the ranks, unless reduce_results=False)."""
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), self.down_proj.fp8))

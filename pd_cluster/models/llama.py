@@ -41,8 +41,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        # Its sum over the ranks is the post-attention norm's (RMSNorm reduce_input).
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False,
-                                        quantization=cfg.quantization)
+                                        quantization=cfg.quantization, reduce_results=False)
         # Per head, so the split over ranks leaves them whole.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -50,7 +51,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden] (summed over the ranks by o_proj)."""
+        """x [T, hidden] -> [T, hidden]: this rank's part of o_proj's output (the
+        post-attention norm sums the ranks')."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -69,11 +71,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization,
+                            reduce_results=False)
         # FP8 projections read the norms' outputs quantized by the norm kernels themselves.
+        # Under tensor parallelism the norms sum the row-parallel layers' partial outputs
+        # (o_proj's, and down_proj's of the layer before) with their residual add.
         fp8 = cfg.quantization == "fp8"
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, quantize=fp8)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, quantize=fp8)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, quantize=fp8,
+                                       reduce_input=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, quantize=fp8,
+                                                reduce_input=True)
 
     def forward(self, x, residual, positions, rope, ctx):
         if residual is None:
@@ -101,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
             check_tp(cfg, get_tp().size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, reduce_input=True)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:     # same vocabulary split, so the same rows on each rank

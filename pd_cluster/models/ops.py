@@ -6,12 +6,15 @@ kernels then serve CUDA tensors and the torch code serves everything else.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
 
+from pd_cluster.distributed import all_reduce, get_tp
 from pd_cluster.models import fp8
 
+_FUSED_NORM = os.environ.get("PD_CLUSTER_FUSED_NORM", "1") != "0"
 _kernels = None  # the kernels modules, once enabled
 _linear = None   # kernels.linear.Dispatch, once enabled
 
@@ -72,6 +75,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if quantize:
         out = fp8.Fp8Activation.of(out)
     return out if residual is None else (out, residual)
+
+
+def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor, quantize: bool = False):
+    """`rms_norm` of the sum over the tensor-parallel ranks of x (a row-parallel layer's
+    partial output): one kernel for the all-reduce, residual add and norm where the peer
+    all-reduce takes x (pd_cluster/peer_all_reduce.py), else the all-reduce, then the norm.
+    PD_CLUSTER_FUSED_NORM=0 in the environment keeps them apart (for comparison)."""
+    peer = get_tp().peer
+    if (peer is not None and _FUSED_NORM and x.is_cuda and peer.fits_rows(x)
+            and (not quantize or fp8._fp8_gpu(x.device))):
+        out, residual = peer.add_rms_norm(x, residual, weight, eps, quantize)
+        return _activation(out, x.dtype), residual
+    return rms_norm(all_reduce(x), weight, eps, residual, quantize)
 
 
 def silu_and_mul(x: torch.Tensor, quantize: bool = False):

@@ -213,14 +213,20 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split over the ranks.
 
     x [T, in / tp] (this rank's features, as a column-parallel layer left them) -> y [T, out],
-    the sum of every rank's partial product, on every rank. The bias is added once, after the
+    the sum of every rank's partial product, on every rank (with `reduce_results=False`, this
+    rank's partial product: the layer after it sums them). The bias is added once, after the
     sum (adding it on each rank would count it tp times)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 quantization: str | None = None):
+                 quantization: str | None = None, reduce_results: bool = True):
         super().__init__()
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.size
+        # False: return this rank's partial product; the RMSNorm after it sums the ranks'
+        # (in one kernel with its residual add where it can: ops.all_reduce_rms_norm).
+        self.reduce_results = reduce_results or tp.size == 1
+        if bias and not self.reduce_results:
+            raise ValueError("a row-parallel layer with a bias must reduce its own results")
         self.in_features, self.in_local = in_features, _split(in_features, tp.size)
         self.fp8 = _is_fp8(quantization)
         self.weight = _parameter((out_features, self.in_local), (out_features, in_features),
@@ -248,6 +254,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return _linear(self, x, self.bias)
+        if not self.reduce_results:
+            return _linear(self, x, None)
         y = all_reduce(_linear(self, x, None))
         return y if self.bias is None else y + self.bias
 
