@@ -19,6 +19,8 @@ import torch.multiprocessing as mp
 
 from pd_cluster.tp_workers import free_tcp_port
 
+pytestmark = pytest.mark.slow       # ranks are processes that import torch and Triton
+
 # (elements, dtype): one chunk; chunks across programs; several chunks per program (over 64
 # chunks of 4096), which is two-shot at three ranks; a single element.
 CALLS = [(5, torch.float32), (4096 * 3 + 7, torch.float16), (4096 * 70 + 1, torch.float32),
