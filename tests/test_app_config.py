@@ -234,8 +234,13 @@ def test_the_config_imports_neither_ray_nor_torch():
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
-def test_pd_yaml_args_are_accepted():
-    serve_config = yaml.safe_load((REPO / "configs" / "pd.yaml").read_text())
+SERVE_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml")
+                       if p.name != "cluster.yaml")     # the Ray cluster launcher's
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_config_args_are_accepted(name):
+    serve_config = yaml.safe_load((REPO / "configs" / name).read_text())
     (app,) = serve_config["applications"]
     assert app["import_path"] == "router.app:build_app" and app["route_prefix"] == "/"
     AppConfig.from_args(app["args"])
