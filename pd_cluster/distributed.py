@@ -124,15 +124,6 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """`obj` of rank `src` on every rank (pickled, over the gloo group); the others pass None."""
-    if _tp.size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_tp.cpu_group)
-    return box[0]
-
-
 def broadcast_tensor(t: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Overwrite t with rank `src`'s t (same shape and dtype on every rank), in place."""
     if _tp.size > 1:
