@@ -156,10 +156,11 @@ class ModelRunner:
     def _graph_batch_limit(self, wanted: int) -> int:
         """The largest batch decode graphs are captured for. With tensor parallelism every
         rank captures the same sizes with the all-reduces inside, and only the peer
-        all-reduce's: an 8B engine at tp=2 whose graphs held NCCL's (through torch.distributed)
-        had not finished starting after 80 s on two H200s, where one with the peer all-reduce
-        starts in 10 s. So without peer memory, and for batches whose [batch, hidden] message
-        is larger than it takes, decode runs eagerly."""
+        all-reduce's: bench/tp_bench.py on an 8B engine at tp=2 whose graphs held NCCL's
+        (through torch.distributed) did not finish in 80 s on two H200s, where the same run
+        with the peer all-reduce takes about 45 s (not looked into further). So without peer
+        memory, and for batches whose [batch, hidden] message is larger than it takes, decode
+        runs eagerly."""
         peer = dist.get_tp().peer
         if self.tp_size == 1:
             return wanted
