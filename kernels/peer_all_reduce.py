@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_quant import FP8, quantize_row
+from kernels.rmsnorm import normalize_row
 
 PROGRAMS = 64       # chunk owners; at most this many programs run, all resident at once
 BLOCK = 4096        # elements a program moves per chunk (8 KB of bf16)
@@ -120,14 +121,23 @@ def _sum_chunk(X, data_ptrs, half, c, m, BLOCK: tl.constexpr, WORLD: tl.constexp
 
 
 @triton.jit
-def _one_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, counters, failed, rank,
-                     max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                     PROGRAMS: tl.constexpr):
-    p = tl.program_id(0)
+def _arrive(X, n, half_elems, sig_ptrs, data_ptrs, counters, failed, rank, max_spins, p,
+            WORLD: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Program p's call begins: its epoch and data half, x copied in, the first barrier."""
     epoch = tl.load(counters + p) + 1
     half = (epoch % 2) * half_elems
     _copy_in(X, data_ptrs, rank, half, p, n, BLOCK, PROGRAMS)
     _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD)
+    return epoch, half
+
+
+@triton.jit
+def _one_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, counters, failed, rank,
+                     max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                     PROGRAMS: tl.constexpr):
+    p = tl.program_id(0)
+    epoch, half = _arrive(X, n, half_elems, sig_ptrs, data_ptrs, counters, failed, rank,
+                          max_spins, p, WORLD, BLOCK, PROGRAMS)
     offs = tl.arange(0, BLOCK)
     for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
         idx = c * BLOCK + offs
@@ -141,10 +151,8 @@ def _two_shot_kernel(X, Out, n, half_elems, sig_ptrs, data_ptrs, red_ptrs, count
                      rank, max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                      PROGRAMS: tl.constexpr):
     p = tl.program_id(0)
-    epoch = tl.load(counters + p) + 1
-    half = (epoch % 2) * half_elems
-    _copy_in(X, data_ptrs, rank, half, p, n, BLOCK, PROGRAMS)
-    _barrier(sig_ptrs, rank, p, epoch, max_spins, failed, WORLD)
+    epoch, half = _arrive(X, n, half_elems, sig_ptrs, data_ptrs, counters, failed, rank,
+                          max_spins, p, WORLD, BLOCK, PROGRAMS)
     offs = tl.arange(0, BLOCK)
     # A program's successive chunks go to successive owners, so every program has work.
     for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
@@ -191,11 +199,7 @@ def _one_shot_rms_norm_kernel(X, Residual, ResidualOut, Weight, Out, Scale, eps,
         res = tl.load(Residual + r * HIDDEN + offs, mask=m, other=0.0)
         x = (total.to(tl.float32) + res.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(ResidualOut + r * HIDDEN + offs, x, mask=m)
-        h = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
-        normed = (h * inv_rms).to(X.dtype.element_ty)
-        w = tl.load(Weight + offs, mask=m, other=0.0)
-        out = (w.to(tl.float32) * normed.to(tl.float32)).to(X.dtype.element_ty)
+        out = normalize_row(x, Weight, offs, m, eps, HIDDEN)
         if QUANT:
             out, scale = quantize_row(out.to(tl.float32))
             tl.store(Scale + r, scale)

@@ -21,6 +21,17 @@ from kernels.pdl import pdl_args, wait_for_inputs
 
 
 @triton.jit
+def normalize_row(x, Weight, offs, mask, eps, HIDDEN: tl.constexpr):
+    """One row x [BLOCK] in the model dtype (masked lanes 0) -> weight * rmsnorm(x) in that
+    dtype, rounded where HF rounds (kernels/peer_all_reduce.py's fused norm shares it)."""
+    h = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
+    normed = (h * inv_rms).to(x.dtype)
+    weight = tl.load(Weight + offs, mask=mask, other=0.0)
+    return (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X, Residual, ResidualOut, Weight, Out, Scale, eps,
     stride_x, stride_r, stride_ro, stride_o,
@@ -36,11 +47,7 @@ def _rms_norm_kernel(
         residual = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(ResidualOut + row * stride_ro + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
-    normed = (h * inv_rms).to(X.dtype.element_ty)
-    weight = tl.load(Weight + offs, mask=mask, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(X.dtype.element_ty)
+    out = normalize_row(x, Weight, offs, mask, eps, HIDDEN)
     if QUANT:
         out, scale = quantize_row(out.to(tl.float32))
         tl.store(Scale + row, scale)

@@ -35,8 +35,12 @@ SLOTS = 8
 SLOT_BYTES = 256 << 10      # a decode step takes a few KB; a long prefill takes several slots
 LINE = 8                    # int64 words of a cache line
 HEADER = 10                 # int64 words: see _encode
-SPIN_S = 0.05               # a reader spins (yielding) this long before it sleeps between looks
-NAP_S = 0.0002
+# A reader on a GPU spins (yielding the CPU) this long after each message before it naps:
+# in a steady stream the next step comes within that, and a nap would delay its launch. Naps
+# then double from FIRST_NAP_S to MAX_NAP_S, so an idle engine's ranks cost next to nothing.
+GPU_SPIN_S = 0.05
+FIRST_NAP_S = 0.0001
+MAX_NAP_S = 0.002
 
 _fence_lock = threading.Lock()
 
@@ -68,8 +72,10 @@ def _fence() -> None:
 class StepChannel:
     """One writer (rank 0, `create`), `readers` readers (`attach` by path, reader index r)."""
 
-    def __init__(self, file: SharedFile, readers: int, slot_bytes: int):
+    def __init__(self, file: SharedFile, readers: int, slot_bytes: int, spin_s: float = 0.0):
         self.file, self.readers, self.slot_bytes = file, readers, slot_bytes
+        self.spin_s = spin_s    # a reader's (GPU_SPIN_S on a GPU: a CPU rank would steal
+                                # the cores its own steps need)
         words = file.view.numpy().view(np.int64)
         self._written = words[0:1]
         self._read = words[LINE:LINE * (1 + readers):LINE]
@@ -82,8 +88,9 @@ class StepChannel:
         return cls(SharedFile.create(size, "pd-steps-"), readers, slot_bytes)
 
     @classmethod
-    def attach(cls, path: str, readers: int, slot_bytes: int = SLOT_BYTES) -> StepChannel:
-        return cls(SharedFile(path), readers, slot_bytes)
+    def attach(cls, path: str, readers: int, slot_bytes: int = SLOT_BYTES,
+               spin_s: float = 0.0) -> StepChannel:
+        return cls(SharedFile(path), readers, slot_bytes, spin_s)
 
     # -- writer -------------------------------------------------------------------------
 
@@ -106,7 +113,7 @@ class StepChannel:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"a tensor-parallel rank has not read its step inputs for "
                                    f"{timeout_s:.0f} s (dead or stuck)")
-            time.sleep(NAP_S)
+            time.sleep(FIRST_NAP_S)
         _fence()
 
     # -- reader -------------------------------------------------------------------------
@@ -130,9 +137,13 @@ class StepChannel:
             first = self._take()
 
     def _take(self) -> np.ndarray:
-        began = time.monotonic()
+        spin_until, nap = time.monotonic() + self.spin_s, FIRST_NAP_S
         while int(self._written[0]) <= self._next:
-            time.sleep(0 if time.monotonic() - began < SPIN_S else NAP_S)
+            if time.monotonic() < spin_until:
+                time.sleep(0)
+                continue
+            time.sleep(nap)
+            nap = min(2 * nap, MAX_NAP_S)
         _fence()
         return self._slot(self._next)
 

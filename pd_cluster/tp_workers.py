@@ -134,11 +134,12 @@ def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, paren
     from pd_cluster.distributed import destroy_tp, init_tp
     from pd_cluster.engine import freeze_startup_heap
     from pd_cluster.model_runner import ModelRunner
-    from pd_cluster.step_channel import StepChannel
+    from pd_cluster.step_channel import GPU_SPIN_S, StepChannel
 
     config = runner_args[0]
-    channel = StepChannel.attach(channel_path, size - 1)    # before rank 0 unlinks it
     device = config.torch_device(rank)
+    channel = StepChannel.attach(channel_path, size - 1,     # before rank 0 unlinks it
+                                 spin_s=GPU_SPIN_S if device.type == "cuda" else 0.0)
     if device.type == "cuda":
         torch.cuda.set_device(device)       # NCCL binds the rank to the current device
     init_tp(rank, size, init_method, backend_for(device.type), timeout_s)

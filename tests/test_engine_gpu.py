@@ -7,6 +7,7 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from launch_checks import strict_launches
 from pd_cluster import LLM, SamplingParams
 from tiny_models import make_tiny_model
 
@@ -39,18 +40,8 @@ def test_launching_a_step_never_waits_for_the_device(tiny_model_root):
     sampling alike) queues work without a host-device sync, so it overlaps step k."""
     llm = LLM(make_tiny_model("llama_gqa", tiny_model_root), dtype="bfloat16", device="cuda",
               max_num_batched_tokens=64, max_model_len=512)
-    engine, execute = llm.engine, llm.engine.runner.execute
-    launches = []
-
-    def strict_execute(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            launches.append(execute(*args, **kwargs))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return launches[-1]
-
-    engine.runner.execute = strict_execute
+    engine = llm.engine
+    launches = strict_launches(engine)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
     for p in PROMPTS:
         engine.add_request(p, GREEDY)

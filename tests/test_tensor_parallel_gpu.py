@@ -8,6 +8,7 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from launch_checks import strict_launches  # noqa: E402
 from pd_cluster import LLM, SamplingParams  # noqa: E402
 from pd_cluster.distributed import get_tp  # noqa: E402
 from tiny_models import make_tiny_model, mixed_prompts  # noqa: E402
@@ -40,18 +41,8 @@ def test_tp2_launching_a_step_never_waits_for_the_device(tiny_model_root):
     llm = LLM(make_tiny_model("llama_gqa", tiny_model_root), dtype="bfloat16", device="cuda",
               tensor_parallel_size=2, max_num_batched_tokens=64, max_model_len=512)
     try:
-        engine, execute = llm.engine, llm.engine.runner.execute
-        launches = []
-
-        def strict_execute(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                launches.append(execute(*args, **kwargs))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            return launches[-1]
-
-        engine.runner.execute = strict_execute
+        engine = llm.engine
+        launches = strict_launches(engine)
         for p in mixed_prompts():
             engine.add_request(p, GREEDY)
         while engine.has_unfinished():
