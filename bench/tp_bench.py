@@ -76,7 +76,8 @@ def run_one(args) -> dict:
                       / cfg["num_key_value_heads"])
     batches = [int(b) for b in args.batches.split(",")]
     extra = {k: json.loads(v) for k, v in (e.split("=", 1) for e in args.engine)}
-    res = {"engine_args": extra, "tp": tp, "device": torch.cuda.get_device_name(), "shape": args.shape,
+    res = {"engine_args": extra, "tp": tp, "device": torch.cuda.get_device_name(),
+           "shape": args.shape,
            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
            "weight_gb_per_gpu": weight_bytes / 1e9, "kv_bytes_per_token_per_gpu": kv_token_bytes}
     bw = copy_bandwidth()
