@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import FP8, quantize_row
-from kernels.rmsnorm import normalize_row
+from kernels.fp8_quant import FP8
+from kernels.rmsnorm import store_normalized_row
 
 PROGRAMS = 64       # chunk owners; at most this many programs run, all resident at once
 BLOCK = 4096        # elements a program moves per chunk (8 KB of bf16)
@@ -199,11 +199,7 @@ def _one_shot_rms_norm_kernel(X, Residual, ResidualOut, Weight, Out, Scale, eps,
         res = tl.load(Residual + r * HIDDEN + offs, mask=m, other=0.0)
         x = (total.to(tl.float32) + res.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(ResidualOut + r * HIDDEN + offs, x, mask=m)
-        out = normalize_row(x, Weight, offs, m, eps, HIDDEN)
-        if QUANT:
-            out, scale = quantize_row(out.to(tl.float32))
-            tl.store(Scale + r, scale)
-        tl.store(Out + r * HIDDEN + offs, out.to(Out.dtype.element_ty), mask=m)
+        store_normalized_row(x, Weight, Out + r * HIDDEN, Scale + r, offs, m, eps, HIDDEN, QUANT)
     tl.store(counters + p, epoch)
 
 

@@ -32,6 +32,17 @@ def normalize_row(x, Weight, offs, mask, eps, HIDDEN: tl.constexpr):
 
 
 @triton.jit
+def store_normalized_row(x, Weight, OutRow, ScaleRow, offs, mask, eps, HIDDEN: tl.constexpr,
+                         QUANT: tl.constexpr):
+    """Normalise row x and store it at OutRow (with QUANT: e4m3, its scale at ScaleRow)."""
+    out = normalize_row(x, Weight, offs, mask, eps, HIDDEN)
+    if QUANT:
+        out, scale = quantize_row(out.to(tl.float32))
+        tl.store(ScaleRow, scale)
+    tl.store(OutRow + offs, out.to(OutRow.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X, Residual, ResidualOut, Weight, Out, Scale, eps,
     stride_x, stride_r, stride_ro, stride_o,
@@ -47,11 +58,8 @@ def _rms_norm_kernel(
         residual = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(ResidualOut + row * stride_ro + offs, x, mask=mask)
-    out = normalize_row(x, Weight, offs, mask, eps, HIDDEN)
-    if QUANT:
-        out, scale = quantize_row(out.to(tl.float32))
-        tl.store(Scale + row, scale)
-    tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
+    store_normalized_row(x, Weight, Out + row * stride_o, Scale + row, offs, mask, eps, HIDDEN,
+                         QUANT)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor, residual_out: torch.Tensor,
