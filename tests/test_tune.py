@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,17 @@ def test_tiny_load_gets_one_colocated_engine_and_a_png_chart(h100_profile: Path,
         (tmp_path / "pd-args.yaml").read_text()
     assert "prefill:" not in (tmp_path / "helm-values.yaml").read_text()
     assert "colocated x1" in (tmp_path / "table.txt").read_text()
+
+
+def test_without_matplotlib_tune_writes_all_but_the_chart_and_names_the_extra(
+        h100_profile: Path, tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # import fails, as uninstalled
+    results = tune(h100_profile, tmp_path, "--rate", "0.2", "--input-len", "512",
+                   "--output-len", "128", "--gpus", "4")
+    assert (results[0]["num_prefill"], results[0]["num_decode"]) == (0, 1)
+    assert {p.name for p in tmp_path.iterdir()} == {"table.txt", "pd-args.yaml",
+                                                    "helm-values.yaml", "results.json"}
+    assert "pip install 'pd-cluster[bench]'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -195,7 +195,7 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from pd_cluster.tuning.report import (format_table, helm_values_snippet,
+    from pd_cluster.tuning.report import (CHART_NEEDS, format_table, helm_values_snippet,
                                           serve_args_snippet, write_chart)
     from pd_cluster.tuning.search import SearchSettings, search
     from pd_cluster.tuning.simulator import EngineLimits
@@ -227,7 +227,7 @@ def _tune(args: argparse.Namespace) -> int:
     table = format_table(results, slo, settings.rate is None)
     best = results[0]
     title = f"{profile.model.get('name')} on {_device(profile)}\n{workload.source}; {slo}"
-    write_chart(results, out / "goodput_per_gpu.png", title)
+    charted = write_chart(results, out / "goodput_per_gpu.png", title)
     snippets = {"pd-args.yaml": serve_args_snippet(best, limits, profile.kv_cache_dtype),
                 "helm-values.yaml": helm_values_snippet(best, limits)}
     for name, text in snippets.items():
@@ -245,8 +245,10 @@ def _tune(args: argparse.Namespace) -> int:
         return 1
     print(f"recommended: {best.spec} ({best.goodput_per_gpu:.3g} req/s per GPU)\n")
     print("\n".join(snippets.values()))
-    print(f"wrote {out}/: table.txt, goodput_per_gpu.png, pd-args.yaml, helm-values.yaml, "
-          "results.json")
+    chart = "goodput_per_gpu.png, " if charted else ""
+    print(f"wrote {out}/: table.txt, {chart}pd-args.yaml, helm-values.yaml, results.json")
+    if not charted:
+        print(CHART_NEEDS, file=sys.stderr)
     return 0
 
 

@@ -28,9 +28,17 @@ def _ms(seconds: float) -> str:
     return "-" if math.isinf(seconds) else f"{seconds * 1e3:.1f} ms"
 
 
-def write_chart(results: list[Candidate], path: str | Path, title: str) -> None:
-    """PNG: goodput per GPU against P/D (log scale); colocated candidates as dashed lines."""
-    import matplotlib
+CHART_NEEDS = "no chart: matplotlib is not installed (pip install 'pd-cluster[bench]')"
+
+
+def write_chart(results: list[Candidate], path: str | Path, title: str) -> bool:
+    """PNG: goodput per GPU against P/D (log scale); colocated candidates as dashed lines.
+    False, and no file, without matplotlib (the `bench` extra): the rest of tune's output
+    needs none."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")           # files only: no display on servers and in CI
     import matplotlib.pyplot as plt
 
@@ -63,6 +71,7 @@ def write_chart(results: list[Candidate], path: str | Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+    return True
 
 
 def serve_args_snippet(best: Candidate, limits: EngineLimits,
