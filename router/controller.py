@@ -53,8 +53,11 @@ LONGEST_POLL_S = 30.0
 MAX_ONGOING = 1000
 
 
+# No access log: its callers are the routers' long polls and reports (a line every 10 s per
+# router, forever); its own errors and decisions still log.
 @serve.deployment(num_replicas=1, max_ongoing_requests=MAX_ONGOING,
-                  ray_actor_options={"num_cpus": 0})
+                  ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})
 class EngineController:
     async def __init__(self, args: dict[str, Any], actor_options: dict[str, dict]) -> None:
         _log_info("router.fleet", "router.planner_loop")
