@@ -18,6 +18,12 @@ LAYOUT = tiny_layout()
 POOL_LAYOUT = tiny_layout(num_blocks=8)
 KEYS = [b"h0", b"h1", b"h2", b"h3", b"h4", b"h5"]
 
+# Short, so that the tests that wait for a lease to expire end soon; not 1 s: renewals come
+# every lease / 3, and on a loaded 2-core machine a Ray actor's renewal was once more than 1 s
+# late, so a put expired before the test's kill (test_a_pool_killed_mid_get_fails_the_reader_
+# cleanly[ray], "stopped renewing its lease (1s)").
+TEST_LEASE_S = 3.0
+
 
 def test_index_evicts_least_recently_used_unpinned_blocks() -> None:
     ix = BlockIndex(4)
@@ -39,7 +45,7 @@ class PoolUser:
         self.prompt = self.alloc.allocate(6 if kv_tokens is not None else 0)
         self.kv = paged_kv(LAYOUT, kv_tokens, self.prompt) if kv_tokens is not None \
             else LAYOUT.allocate()
-        self.t = make_transport(backend, timeout_s=5.0, lease_s=1.0)
+        self.t = make_transport(backend, timeout_s=5.0, lease_s=TEST_LEASE_S)
         self.t.register(self.kv, LAYOUT)
         self.client, self.grant = None, None
 
@@ -91,7 +97,7 @@ def kv() -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(request, ray_cluster, kv):
-    pool = RemotePool.remote(POOL_LAYOUT, request.param, timeout_s=5.0, lease_s=1.0)
+    pool = RemotePool.remote(POOL_LAYOUT, request.param, timeout_s=5.0, lease_s=TEST_LEASE_S)
     writer, reader = RemoteUser.remote(request.param, kv), RemoteUser.remote(request.param)
     ray.get([writer.attach.remote(pool), reader.attach.remote(pool)])
     yield request.param, pool, writer, reader
@@ -149,7 +155,7 @@ def test_a_client_killed_mid_put_leaks_nothing(cluster, kv) -> None:
 
 def test_a_pool_killed_mid_get_fails_the_reader_cleanly(cluster) -> None:
     backend, pool, writer, reader = cluster
-    doomed = RemotePool.remote(POOL_LAYOUT, backend, timeout_s=5.0, lease_s=1.0)
+    doomed = RemotePool.remote(POOL_LAYOUT, backend, timeout_s=5.0, lease_s=TEST_LEASE_S)
     ray.get([writer.attach.remote(doomed), reader.attach.remote(doomed)])
     try:
         ray.get(writer.put.remote(KEYS[:3]))
