@@ -37,7 +37,9 @@ ARGS = {"mode": "disaggregated", "num_prefill": 1, "num_decode": 2, "router_repl
 NUM_CPUS = 5
 REPORTED_WITHIN_S = 2.5          # two load polls (LOAD_POLL_S) of every router
 LONG = 48                        # tokens of a stream that must outlive a kill
-REPLACED_WITHIN_S = 15.0
+# Serve notices the dead replica at its next health check (2 s) and starts one whose process
+# imports torch and Ray Serve while the survivors' streams load both cores.
+REPLACED_WITHIN_S = 60.0
 FREED_WITHIN_S = 40.0            # subscriber lease (10 s) and reservation leases, with margin
 RESTORED_WITHIN_S = 120.0        # a new decoder loads the model on busy cores
 
@@ -205,7 +207,7 @@ def test_killed_router_streams_elsewhere_finish_its_kv_is_freed_and_it_is_replac
     def replaced() -> bool:
         status, body = health(server)
         return status == 200 and body["router"]["replica"] not in pids
-    wait_until(replaced, REPLACED_WITHIN_S - (time.monotonic() - killed_at[0]), 0.2,
+    wait_until(replaced, max(REPLACED_WITHIN_S - (time.monotonic() - killed_at[0]), 0.0), 0.2,
                "a replacement router replica answering /health")
     replaced_after = time.monotonic() - killed_at[0]
     assert replaced_after <= REPLACED_WITHIN_S
