@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import zipfile
@@ -191,23 +192,47 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
 
     start = time.monotonic()
     folder, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    if not tokenizer.chat_template:
-        raise RuntimeError(f"{gguf_file} carries no chat template")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-
-    # save_pretrained refuses GGUF-quantized models even though the weights are already
-    # dequantized, so the weights are written directly and the GGUF marker dropped from config.
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # tied: shares storage with the embedding
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del model.config.quantization_config
-    model.config.save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    _make_tokenizer_config_portable(out_dir)
+    with _progress(f"Converting {name}") as stage:
+        stage("reading its tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        if not tokenizer.chat_template:
+            raise RuntimeError(f"{gguf_file} carries no chat template")
+        stage("dequantizing its weights")
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=torch.float32)
+        stage("writing safetensors")
+        # save_pretrained refuses GGUF-quantized models even though the weights are already
+        # dequantized, so the weights are written directly and the GGUF marker dropped.
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # tied: shares storage with the embedding
+        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        del model.config.quantization_config
+        model.config.save_pretrained(out_dir)
+        model.generation_config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        _make_tokenizer_config_portable(out_dir)
     logger.warning("Converted %s in %.1f s", gguf_file.name, time.monotonic() - start)
+
+
+@contextmanager
+def _progress(what: str) -> Iterator[Callable[[str], None]]:
+    """Say `what` is still at work, and at which stage, every PROGRESS_EVERY_S until the block
+    ends: the stages are single library calls of many seconds, and a Ray actor's log has no
+    terminal to draw a bar on. Yields the function that names the current stage."""
+    stage = ["starting"]
+    start, done = time.monotonic(), threading.Event()
+
+    def report() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            logger.warning("%s: %s (%.0f s so far)", what, stage[0], time.monotonic() - start)
+    reporter = threading.Thread(target=report, name="conversion-progress", daemon=True)
+    reporter.start()
+    try:
+        yield lambda name: stage.__setitem__(0, name)
+    finally:
+        done.set()
+        reporter.join()
 
 
 def _make_tokenizer_config_portable(out_dir: Path) -> None:

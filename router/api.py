@@ -29,8 +29,6 @@ logger = logging.getLogger(__name__)
 # Body size limit: room for the longest allowed prompt as JSON-escaped text or as token ids.
 BODY_BYTES_BASE = 1 << 20
 BODY_BYTES_PER_TOKEN = 32
-# Which router replica answered: a client (or a test) can tell the replicas apart.
-ROUTER_HEADER = "x-pd-router"
 
 
 class Router:
@@ -100,11 +98,11 @@ class Router:
                           "owned_by": "pd-cluster", "max_model_len": self.serving.max_model_len}]}
 
 
-def _respond(result: dict[str, Any] | Any, router: Router) -> Response:
+def _respond(result: dict[str, Any] | Any) -> Response:
     if isinstance(result, dict):
-        return JSONResponse(result, headers={ROUTER_HEADER: router.name})
+        return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", ROUTER_HEADER: router.name})
+                             headers={"Cache-Control": "no-cache"})
 
 
 def create_app(router: Router) -> FastAPI:
@@ -134,8 +132,7 @@ def create_app(router: Router) -> FastAPI:
     async def health() -> JSONResponse:
         router.start_background()
         body, serving = router.health()
-        return JSONResponse(body, status_code=200 if serving else 503,
-                            headers={ROUTER_HEADER: router.name})
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
@@ -153,12 +150,11 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         router.authorize(request)
-        return _respond(await router.serving.completions(await router.json_body(request)),
-                        router)
+        return _respond(await router.serving.completions(await router.json_body(request)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         router.authorize(request)
-        return _respond(await router.serving.chat(await router.json_body(request)), router)
+        return _respond(await router.serving.chat(await router.json_body(request)))
 
     return app

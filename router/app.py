@@ -3,10 +3,12 @@
     build_app(args)            validates args (AppConfig), sizes the engine replicas from
                                ray.cluster_resources(), binds the EngineController
                                (router/controller.py) and the router deployment
-    OpenAIRouter.__init__      asks the controller for the model (to load the tokenizer) and
-                               the engines' membership, and routes over them; it starts no
+    OpenAIRouter.__init__      checks the args and returns at once; in the background it asks
+                               the controller for the model (to load the tokenizer) and the
+                               engines' membership, and routes over them; it starts no
                                engine, so a replacement router serves within seconds
-    __serve_build_asgi_app__   the FastAPI app of router/api.py
+    __serve_build_asgi_app__   router/replica_app.py's app: 503 saying why while the replica
+                               starts, then the FastAPI app of router/api.py
 
 Two deployments: `EngineController` (one replica) owns the engine replicas, plain Ray
 actors (why: router/controller.py); `OpenAIRouter` (`router_replicas`, or Serve's
@@ -17,6 +19,7 @@ subscriber lease expires (actors/subscribers.py).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -30,6 +33,8 @@ from ray import serve
 from pd_cluster.config import DEFAULT_MODEL, EngineConfig, ModelConfig, resolve_max_model_len
 from pd_cluster.tokenizer import load_tokenizer
 from router.api import Router, create_app
+from router.log_setup import log_info
+from router.replica_app import ReplicaApp, StartState
 from router.app_config import AppConfig, replica_actor_options
 from router.controller import EngineController
 from router.metrics import RouterMetrics
@@ -40,6 +45,13 @@ from router.streams import LoadMonitor, MembershipWatcher
 logger = logging.getLogger(__name__)
 # Serve replaces a router replica whose process died at its next health check.
 ROUTER_HEALTH_CHECK_S = 2.0
+# Which router replica answered: every answer names it (a client or a test tells them apart).
+ROUTER_HEADER = "x-pd-router"
+# Behind HAProxy a stopping router replica first stays reachable this long, for load
+# balancers to drop it (Serve's default, 30 s, made Ctrl-C of `serve run` take 33 s). Our
+# HAProxy learns of a stopping replica within a second; a late connection is refused and
+# HAProxy retries another replica.
+ROUTER_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 # Router replica requests beyond the engines' slots and queue: /health, /metrics, and the
 # requests it answers with 429 must still get through Serve's per-replica limit.
 SPARE_ONGOING_REQUESTS = 64
@@ -91,41 +103,81 @@ def make_client(config: AppConfig, engine: EngineConfig) -> Any:
 @serve.ingress()
 class OpenAIRouter:
     async def __init__(self, args: dict[str, Any], controller: Any) -> None:
-        config = AppConfig.from_args(args)
-        info = await controller.model_info.remote(ENGINE_START_TIMEOUT_S)
-        tokenizer = load_tokenizer(info.path)
-        if tokenizer is None:
-            raise ValueError(f"engine.model: {config.engine.model!r} has no tokenizer files; "
-                             "the router needs one to serve text")
-        engine: EngineConfig = info.engine
-        client = make_client(config, engine)
-        metrics = RouterMetrics(config.engine.model)
-        metrics.collect_samples = config.planner.enabled
-        policy = make_policy(config.routing.policy, RoutingInputs(
-            config.num_prefill, config.num_decode, engine.block_size,
-            config.routing.prefill_weight, config.conditional_disagg_threshold))
-        serving = OpenAIServing(config, client, policy, tokenizer, engine.max_model_len, metrics)
-        watcher = MembershipWatcher(controller, client, policy, serving.admission, metrics,
-                                    engine.max_num_seqs)
-        # Re-attach to the running engines (a replacement router loads no model).
-        watcher.apply(await controller.membership.remote(-1, 0.0))
-        watcher.ensure_started()
+        config = AppConfig.from_args(args)      # a bad config fails the deployment at once
         api_key = _api_key(config)
-        self.router = Router(serving, LoadMonitor(client, policy, metrics), watcher, api_key,
-                             _replica_name())
-        logger.info("router ready: %s mode, %d prefill + %d decode replicas (membership v%d), "
-                    "auth %s", config.mode, config.num_prefill, config.num_decode,
-                    watcher.membership.version, "on" if api_key else "off")
+        log_info("router.app", "router.streams")
+        name = _replica_name() or f"router-{os.getpid()}"
+        self.router: Router | None = None
+        self.replica_app = ReplicaApp(name, ROUTER_HEADER)
+        self._start = asyncio.get_running_loop().create_task(
+            self._start_routing(config, controller, api_key, name))
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self.router)
+    async def _start_routing(self, config: AppConfig, controller: Any, api_key: str | None,
+                             name: str) -> None:
+        """Until this is done, ReplicaApp answers 503 saying what the start waits for."""
+        try:
+            self.replica_app.waiting_for("the engine controller is resolving the model (the bundled "
+                                 "one is fetched and converted on its first use)")
+            info = await controller.model_info.remote(ENGINE_START_TIMEOUT_S)
+            self.replica_app.waiting_for("loading the tokenizer")
+            tokenizer = await asyncio.to_thread(load_tokenizer, info.path)
+            if tokenizer is None:
+                raise ValueError(f"engine.model: {config.engine.model!r} has no tokenizer "
+                                 "files; the router needs one to serve text")
+            engine: EngineConfig = info.engine
+            client = make_client(config, engine)
+            metrics = RouterMetrics(config.engine.model)
+            metrics.collect_samples = config.planner.enabled
+            policy = make_policy(config.routing.policy, RoutingInputs(
+                config.num_prefill, config.num_decode, engine.block_size,
+                config.routing.prefill_weight, config.conditional_disagg_threshold))
+            serving = OpenAIServing(config, client, policy, tokenizer, engine.max_model_len,
+                                    metrics)
+            watcher = MembershipWatcher(controller, client, policy, serving.admission, metrics,
+                                        engine.max_num_seqs, await asyncio.to_thread(api_url))
+            # Re-attach to the running engines (a replacement router loads no model).
+            watcher.apply(await controller.membership.remote(-1, 0.0))
+            watcher.ensure_started()
+            self.router = Router(serving, LoadMonitor(client, policy, metrics), watcher,
+                                 api_key, name)
+            self.replica_app.serve(create_app(self.router))
+            logger.info("router %s up: %s mode, %d prefill + %d decode replicas wanted, auth "
+                        "%s", name, config.mode, config.num_prefill, config.num_decode,
+                        "on" if api_key else "off")
+        except Exception as e:  # noqa: BLE001 - said in every answer and by check_health
+            logger.exception("router %s failed to start", name)
+            self.replica_app.fail(str(e) or repr(e))
+
+    def __serve_build_asgi_app__(self) -> ReplicaApp:
+        return self.replica_app
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose start failed is replaced (and the reason
+        logged) rather than left answering 503 forever."""
+        if self.replica_app.state is StartState.FAILED:
+            raise RuntimeError(f"router replica failed to start: {self.replica_app.reason}")
 
     def __del__(self) -> None:
         # Serve calls this on a graceful stop, once the replica's requests are done: end the
         # membership long poll, which would hold the engine controller's stop for seconds.
+        start = getattr(self, "_start", None)
+        if start is not None and not start.done():
+            start.cancel()
         router = getattr(self, "router", None)
         if router is not None and router.watcher is not None:
             router.watcher.stop()
+
+
+def api_url() -> str | None:
+    """The OpenAI base URL Serve's proxies listen on (None when Serve does not say)."""
+    try:
+        from ray.serve.context import _get_global_client
+        root = _get_global_client().root_url
+    except Exception:  # noqa: BLE001 - the ready line then names no URL
+        return None
+    if not root:
+        return None
+    return root.replace("//0.0.0.0:", "//localhost:").replace("//[::]:", "//localhost:") + "/v1"
 
 
 def _replica_name() -> str:
@@ -162,7 +214,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     deployment = OpenAIRouter.options(
         max_ongoing_requests=ongoing, **scaling,
         ray_actor_options={"num_cpus": router_cpus(config, config.router_max_replicas, resources,
-                                                       actor_options)})
+                                                       actor_options),
+                           "runtime_env": {"env_vars": ROUTER_DRAIN_ENV}})
     return deployment.bind(dict(args or {}), controller)
 
 

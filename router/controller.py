@@ -43,6 +43,7 @@ from ray import serve
 
 from router.app_config import AppConfig
 from router.fleet import EngineFleet
+from router.log_setup import log_info
 from router.pool_changes import RoleChange
 from router.membership import Membership, ModelInfo
 from router.planner_loop import LatencySample, PlannerLoop, PlannerView, PlanRecord
@@ -53,14 +54,21 @@ LONGEST_POLL_S = 30.0
 MAX_ONGOING = 1000
 
 
+# Its calls are the routers' long polls and reports, which no client waits on: a stop does
+# not wait them out (Serve's default would, for up to 20 s).
+STOP_WITHIN_S = 2.0
+
+
 # No access log: its callers are the routers' long polls and reports (a line every 10 s per
 # router, forever); its own errors and decisions still log.
 @serve.deployment(num_replicas=1, max_ongoing_requests=MAX_ONGOING,
                   ray_actor_options={"num_cpus": 0},
-                  logging_config={"enable_access_log": False})
+                  logging_config={"enable_access_log": False},
+                  graceful_shutdown_timeout_s=STOP_WITHIN_S, graceful_shutdown_wait_loop_s=0.5)
 class EngineController:
     async def __init__(self, args: dict[str, Any], actor_options: dict[str, dict]) -> None:
-        _log_info("router.fleet", "router.planner_loop")
+        log_info("router.fleet", "router.planner_loop", "router.controller",
+                 "pd_cluster.default_model")
         self.config = AppConfig.from_args(args)
         self.actor_options = actor_options
         self.fleet: EngineFleet | None = None
@@ -120,17 +128,3 @@ class EngineController:
         if self.fleet is not None:
             self.fleet.shutdown()
 
-
-def _log_info(*names: str) -> None:
-    """Serve sets up its own loggers only: these modules' INFO lines (replicas started,
-    drained, changing roles; each planner decision and why) go to this replica's stderr,
-    which `serve run` and Ray's log files show."""
-    for name in names:
-        log = logging.getLogger(name)
-        if not log.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: "
-                                                   "%(message)s"))
-            log.addHandler(handler)
-            log.setLevel(logging.INFO)
-            log.propagate = False

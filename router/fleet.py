@@ -39,7 +39,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from actors.messages import DECODE, PREFILL, ReplicaLoad
 from router.membership import EngineMember, Membership, ReplicaState, check_transition
-from router.placement import RAY_PENDING_STATES, ray_actor_state, unplaced_reason
+from router.placement import ray_actor_placed, unplaced_reason
 from router.pool_changes import PoolChanges, short_reason as _reason
 
 logger = logging.getLogger(__name__)
@@ -309,8 +309,7 @@ class EngineFleet(PoolChanges):
         return self._join_lock
 
     def _check_placement(self, slot: _Slot) -> None:
-        state = ray_actor_state(slot.actor_id)
-        if state is None or state in RAY_PENDING_STATES:
+        if not ray_actor_placed(slot.actor_id):
             waited = time.monotonic() - slot.spawned_at
             if waited >= UNPLACED_REPORT_S and slot.state is ReplicaState.PENDING:
                 detail = unplaced_reason(slot.resources)

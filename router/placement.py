@@ -8,7 +8,8 @@ from typing import Any
 
 import ray
 
-# Ray's states of an actor it has not placed yet.
+# Ray's states of an actor not yet created. PENDING_CREATION lasts until the actor's
+# constructor returns: the actor is placed once Ray has given it a worker process.
 RAY_PENDING_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
 
 
@@ -58,11 +59,15 @@ def _autoscaler_launching() -> bool:
         return False
 
 
-def ray_actor_state(actor_id: str) -> str | None:
-    """Ray's state name of the actor (PENDING_CREATION, ALIVE, DEAD...), None if unknown."""
+def ray_actor_placed(actor_id: str) -> bool:
+    """Whether Ray has placed the actor: it has a worker process (its constructor may still
+    run), or it is past creation. False while it waits for resources, or the GCS does not
+    know it yet."""
     try:
         from ray._private.state import actors
         info = actors(actor_id=actor_id)
-        return info.get("State") if isinstance(info, dict) else None
     except Exception:  # noqa: BLE001 - the GCS may not know it yet
-        return None
+        return False
+    if not isinstance(info, dict) or not info.get("State"):
+        return False
+    return info["State"] not in RAY_PENDING_STATES or bool(info.get("Pid"))

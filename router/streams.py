@@ -159,9 +159,11 @@ class MembershipWatcher:
     it reports finished requests' latencies to the controller (router/planner_loop.py)."""
 
     def __init__(self, controller: Any, client: EngineClient, policy: RoutingPolicy,
-                 admission: Admission, metrics: RouterMetrics, max_num_seqs: int) -> None:
+                 admission: Admission, metrics: RouterMetrics, max_num_seqs: int,
+                 url: str | None = None) -> None:
         self.controller, self.client, self.policy = controller, client, policy
         self.admission, self.metrics, self.max_num_seqs = admission, metrics, max_num_seqs
+        self.url = url          # said in the line that tells the service serves
         self.membership: Membership | None = None
         self._task: asyncio.Task | None = None
         self._reports: asyncio.Task | None = None
@@ -177,12 +179,26 @@ class MembershipWatcher:
         self.sync()
         self.admission.capacity = len(membership.ready(DECODE)) * self.max_num_seqs
         self.metrics.set_membership(membership)
+        self._say_serving(old, membership)
         if old is not None:
+            # The engine controller logs each change (router/fleet.py); every router again
+            # would repeat it once per router.
             for m in membership.members:
                 was = next((o for o in old.members if o.key == m.key), None)
                 if was is None or (was.state, was.actor_id) != (m.state, m.actor_id):
-                    logger.info("engine replica %s-%d: %s%s", m.role, m.replica_id, m.state,
-                                f" ({m.detail})" if m.detail else "")
+                    logger.debug("engine replica %s-%d: %s%s", m.role, m.replica_id, m.state,
+                                 f" ({m.detail})" if m.detail else "")
+
+    def _say_serving(self, old: Membership | None, new: Membership) -> None:
+        """One line when requests can first be served (and when they no longer can)."""
+        was = old is not None and old.serving()
+        pools = ", ".join(f"{role} {len(new.ready(role))}/{new.targets.get(role, 0)} ready"
+                          for role in new.roles())
+        if new.serving() and not was:
+            logger.info("pd-cluster is ready: %s (%s)", self.url or "serving", pools)
+        elif was and not new.serving():
+            logger.warning("pd-cluster cannot serve now: %s; requests get 503 until a "
+                           "replica of each pool is ready", pools)
 
     def sync(self) -> None:
         """Tell the policy which replicas the client may use now."""
@@ -230,5 +246,7 @@ class MembershipWatcher:
                     m.version if m else -1, MEMBERSHIP_POLL_S, m.epoch if m else None)
                 self.apply(await self._pending)
             except Exception as e:  # noqa: BLE001 - keep the last view, ask again
+                if self._stopped:       # stop() cancelled the poll in flight
+                    return
                 logger.warning("membership poll failed: %r", e)
                 await asyncio.sleep(LOAD_POLL_S)

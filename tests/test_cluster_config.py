@@ -57,6 +57,6 @@ def test_auto_resources_pin_replicas_to_the_pools_once_they_have_joined(cluster)
 
 def test_setup_installs_the_project_synced_by_file_mounts(cluster):
     assert cluster["file_mounts"] == {"~/pd-cluster": "."}
-    assert 'pip install -e "$HOME/pd-cluster[serve,transfer]"' in cluster["setup_commands"]
+    assert 'pip install -e "$HOME/pd-cluster[gpu]"' in cluster["setup_commands"]
     assert any("--autoscaling-config=~/ray_bootstrap_config.yaml" in c
                for c in cluster["head_start_ray_commands"])

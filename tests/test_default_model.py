@@ -132,3 +132,18 @@ def _threads_in(threads: list[threading.Thread], function: str) -> int:
     frames = sys._current_frames()
     return sum(1 for t in threads
                if t.ident in frames and frames[t.ident].f_code.co_name == function)
+
+
+def test_a_long_conversion_says_its_stage_while_it_runs(monkeypatch, caplog) -> None:
+    import logging
+    import time
+    monkeypatch.setattr(default_model, "PROGRESS_EVERY_S", 0.05)
+    with caplog.at_level(logging.WARNING, logger=default_model.__name__):
+        with default_model._progress("Converting x.gguf") as stage:
+            stage("dequantizing its weights")
+            time.sleep(0.4)
+        said = len(caplog.records)
+        time.sleep(0.2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("Converting x.gguf: dequantizing its weights (") for line in lines)
+    assert len(caplog.records) == said      # nothing more once the block ended

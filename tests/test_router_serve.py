@@ -216,3 +216,17 @@ def test_metrics_parse_and_expose_the_dashboard_names(server: str):
     assert served > 0
     features = {s.labels["feature"] for s in metrics["pd_engine_step_work"]}
     assert features == {"sum_tokens", "sum_sq_tokens", "sum_ctx", "batch"}
+
+
+def test_every_answer_names_its_router_replica(server: str):
+    """`x-pd-router` on every answer: models, health, metrics, completions, an unknown route."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    answers = [httpx.get(f"{server}/v1/models", headers=auth, timeout=30),
+               httpx.get(f"{server}/health", timeout=30),
+               httpx.get(f"{server}/metrics", timeout=30),
+               httpx.post(f"{server}/v1/completions", headers=auth, timeout=60,
+                          json={"model": "default", "prompt": FRANCE, "max_tokens": 1}),
+               httpx.get(f"{server}/v1/nowhere", timeout=30)]
+    assert [a.status_code for a in answers] == [200, 200, 200, 200, 404]
+    names = {a.headers.get("x-pd-router") for a in answers}
+    assert len(names) == 1 and None not in names and "" not in names, names

@@ -3,6 +3,11 @@ write/read, layout checks, aborts, drains, timeouts and leases (local backend, a
 UCX loopback)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +19,8 @@ from transfer.messages import KVDescriptor, KVShard, Message, MessageError, MsgK
 from transfer.registry import make_transport
 from transfer.runs import block_indices, byte_runs
 from waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BACKENDS = ["local", "nixl", "ucx"]
 
@@ -69,6 +76,22 @@ def test_unknown_or_missing_backend_says_what_to_do(monkeypatch) -> None:
     monkeypatch.setitem(registry._BACKENDS, "nixl", ("no_such_nixl_module", "X", "pip install nixl"))
     with pytest.raises(ImportError, match="install it with: pip install nixl"):
         make_transport("nixl")
+
+
+def test_nixl_runs_from_the_cuda_12_build_alone_as_the_transfer_extra_installs_it() -> None:
+    """`transfer` installs nixl-cu12 without the `nixl` meta-package: host-memory NIXL still
+    moves blocks (an agent made and its memory registered)."""
+    pytest.importorskip("nixl_cu12")
+    code = ("import sys; sys.modules['nixl'] = None\n"
+            "import torch\n"
+            "from transfer import nixl_transport as t\n"
+            "agent = t.nixl_agent('cu12-alone', t.nixl_agent_config(backends=['UCX']))\n"
+            "agent.register_memory(torch.zeros(1024, dtype=torch.uint8))\n"
+            "print(t._api.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "nixl_cu12._api"
 
 
 def test_nixl_ucx_params_default_to_four_workers_for_gpu_memory_only(monkeypatch) -> None:

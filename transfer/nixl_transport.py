@@ -13,11 +13,11 @@ per request that the prepared lists spare the matching-window fast path.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import time
 
 import numpy as np
-from nixl._api import nixl_agent, nixl_agent_config
 
 from pd_cluster.kv_layout import KVLayout
 from transfer.base import KVTransport, Role, Transfer
@@ -33,6 +33,25 @@ UCX_PARAMS_ENV = "PD_NIXL_UCX_PARAMS"
 # per-(layer, K|V) runs go one after another; four workers spread them over four streams
 # (bench/transfer_bench.py measures the difference).
 GPU_UCX_PARAMS = {"num_workers": "4"}
+# Where nixl's API lives. The `nixl` meta-package (the `gpu` extra) holds both CUDA builds and
+# picks the one matching the machine's CUDA; the `transfer` extra installs the CUDA 12 build
+# alone, which moves host memory on a machine without a GPU just as well.
+_NIXL_API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+
+def _nixl_api():
+    for name in _NIXL_API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name not in (name, name.split(".")[0]):
+                raise
+    raise ModuleNotFoundError(f"none of {', '.join(_NIXL_API_MODULES)} is installed",
+                              name="nixl")
+
+
+_api = _nixl_api()
+nixl_agent, nixl_agent_config = _api.nixl_agent, _api.nixl_agent_config
 
 
 def ucx_params_from_env(on_gpu: bool = False) -> dict[str, str]:

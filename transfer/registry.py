@@ -8,8 +8,8 @@ from transfer.base import KVTransport
 # name → (module, class, what to install when the module's dependency is missing)
 _BACKENDS = {
     "local": ("transfer.local", "LocalTransport", None),
-    "nixl": ("transfer.nixl_transport", "NixlTransport", "pip install nixl  (or nixl-cu12/nixl-cu13)"),
-    "ucx": ("transfer.ucx_transport", "UcxTransport", "pip install ucxx-cu12  (or ucxx-cu13)"),
+    "nixl": ("transfer.nixl_transport", "NixlTransport", "pip install 'pd-cluster[transfer]'  (GPUs: 'pd-cluster[gpu]')"),
+    "ucx": ("transfer.ucx_transport", "UcxTransport", "pip install 'pd-cluster[ucx]'  (CUDA 13: ucxx-cu13)"),
     "ray": ("transfer.ray_transport", "RayTransport", "pip install 'ray[default]'"),
 }
 
