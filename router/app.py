@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from fastapi import FastAPI
 from ray import serve
 
 from pd_cluster.config import DEFAULT_MODEL, EngineConfig, ModelConfig, resolve_max_model_len
@@ -116,8 +115,8 @@ class OpenAIRouter:
                              name: str) -> None:
         """Until this is done, ReplicaApp answers 503 saying what the start waits for."""
         try:
-            self.replica_app.waiting_for("the engine controller is resolving the model (the bundled "
-                                 "one is fetched and converted on its first use)")
+            self.replica_app.waiting_for("the engine controller is resolving the model (the "
+                                         "bundled one is fetched and converted on first use)")
             info = await controller.model_info.remote(ENGINE_START_TIMEOUT_S)
             self.replica_app.waiting_for("loading the tokenizer")
             tokenizer = await asyncio.to_thread(load_tokenizer, info.path)
