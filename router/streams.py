@@ -151,6 +151,20 @@ class LoadMonitor:
             await asyncio.sleep(LOAD_POLL_S)
 
 
+def serving_change(old: Membership | None, new: Membership,
+                   url: str | None) -> tuple[int, str] | None:
+    """(log level, line) when requests can first be served, or no longer can; else None."""
+    was = old is not None and old.serving()
+    pools = ", ".join(f"{role} {len(new.ready(role))}/{new.targets.get(role, 0)} ready"
+                      for role in new.roles())
+    if new.serving() and not was:
+        return logging.INFO, f"pd-cluster is ready: {url or 'serving'} ({pools})"
+    if was and not new.serving():
+        return logging.WARNING, (f"pd-cluster cannot serve now: {pools}; requests get 503 "
+                                 "until a replica of each pool is ready")
+    return None
+
+
 class MembershipWatcher:
     """Keeps this router replica's view of the engines current: long-polls the engine
     controller's membership (router/controller.py) and hands each new version to the client
@@ -190,15 +204,9 @@ class MembershipWatcher:
                                  f" ({m.detail})" if m.detail else "")
 
     def _say_serving(self, old: Membership | None, new: Membership) -> None:
-        """One line when requests can first be served (and when they no longer can)."""
-        was = old is not None and old.serving()
-        pools = ", ".join(f"{role} {len(new.ready(role))}/{new.targets.get(role, 0)} ready"
-                          for role in new.roles())
-        if new.serving() and not was:
-            logger.info("pd-cluster is ready: %s (%s)", self.url or "serving", pools)
-        elif was and not new.serving():
-            logger.warning("pd-cluster cannot serve now: %s; requests get 503 until a "
-                           "replica of each pool is ready", pools)
+        said = serving_change(old, new, self.url)
+        if said is not None:
+            logger.log(*said)
 
     def sync(self) -> None:
         """Tell the policy which replicas the client may use now."""

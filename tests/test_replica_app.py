@@ -1,6 +1,7 @@
 """A router replica's ASGI app (router/replica_app.py): while the replica starts every request
 is answered at once with 503 and what it waits for; a failed start says why; once serving, the
-real app answers; every answer names the replica."""
+real app answers; every answer names the replica. And the line a router logs when the service
+can first serve (router/streams.py)."""
 from __future__ import annotations
 
 import pytest
@@ -70,3 +71,26 @@ def test_a_replica_leaves_serving_or_failed_never():
     failed.fail("no model")
     with pytest.raises(RuntimeError, match="from failed to serving"):
         failed.serve(served())
+
+
+def test_the_ready_line_comes_once_when_every_pool_can_serve_and_a_warning_when_one_cannot():
+    import logging
+
+    from router.membership import EngineMember, Membership, ReplicaState
+    from router.streams import serving_change
+
+    def membership(version: int, prefill: ReplicaState, decode: ReplicaState) -> Membership:
+        return Membership(version, "disaggregated", {"prefill": 1, "decode": 1},
+                          (EngineMember("prefill", 0, prefill), EngineMember("decode", 0, decode)))
+    url = "http://localhost:8000/v1"
+    starting = membership(1, ReplicaState.STARTING, ReplicaState.READY)
+    ready = membership(2, ReplicaState.READY, ReplicaState.READY)
+    assert serving_change(None, starting, url) is None
+    assert serving_change(starting, ready, url) == (
+        logging.INFO, "pd-cluster is ready: http://localhost:8000/v1 (prefill 1/1 ready, "
+                      "decode 1/1 ready)")
+    assert serving_change(ready, membership(3, ReplicaState.READY, ReplicaState.READY), url) \
+        is None
+    level, line = serving_change(ready, membership(4, ReplicaState.READY, ReplicaState.DEAD), url)
+    assert level == logging.WARNING
+    assert line.startswith("pd-cluster cannot serve now: prefill 1/1 ready, decode 0/1 ready")
