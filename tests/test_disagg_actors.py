@@ -244,9 +244,9 @@ def test_failed_transfer_follows_the_policy(tiny, recompute):
 
 def test_abort_mid_stream_frees_blocks_on_both_sides(tiny):
     client = start(tiny, "nixl")
+    params = SamplingParams(temperature=0, max_tokens=440, ignore_eos=True)
     try:
         async def go():
-            params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
             streams = [client.generate(f"a{i}", list(range(5, 40 + i)), params, Route(0, 0))
                        for i in range(4)]
             for s in streams:
@@ -260,6 +260,11 @@ def test_abort_mid_stream_frees_blocks_on_both_sides(tiny):
                 pass            # the assertion says what is left
         asyncio.run(go())
         wait_all_free(client, DRAINED_WITHIN_S)
+        # Freed because they were aborted, not because they ran out: D computed fewer tokens
+        # than the 4 x 439 the requests asked of it (none, when the aborts beat its first step).
+        steps = load_of(client.decode[0]).steps
+        computed = sum(kind["sum_tokens"] for kind in steps.values())
+        assert computed < 4 * (params.max_tokens - 1), steps
     finally:
         shutdown(client)
 

@@ -15,6 +15,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.sampling_params import SamplingParams
 from engine_clients import wait_loop_idle
 from tiny_models import make_tiny_model
+from waiting import wait_until_async
 
 PROMPTS = [[1, 5, 9, 33, 70, 2, 8], [4, 4, 100, 200, 300, 12, 17, 19, 21, 3, 90], [7, 7, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -66,18 +67,48 @@ def test_one_stream_carries_all_requests_in_batches(loop: EngineLoop):
     assert batches < deltas     # several requests' steps travel in one message
 
 
-def test_subscriber_gone_aborts_its_requests(loop: EngineLoop):
+def test_subscriber_gone_aborts_its_requests(tiny_model_root: str):
+    # A request too long to end by itself before the abort (the module's loop is too short:
+    # a request there can finish before the subscriber's first batch arrives).
+    cfg = EngineConfig(model=make_tiny_model("llama_gqa", tiny_model_root), block_size=4,
+                       num_kv_blocks=160, max_model_len=512, max_num_seqs=8, cuda_graphs=False,
+                       device="cpu")
+    loop = EngineLoop(cfg, stall_timeout_s=30.0)
+    longest = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+    gone: list[list[str]] = []
+
+    def on_gone(ids: list[str]) -> None:
+        gone.append(ids)
+        for rid in ids:
+            loop.abort(rid)
+
     async def go():
-        box = Outbox(on_gone=lambda ids: [loop.abort(rid) for rid in ids])
+        box = Outbox(on_gone=on_gone)
         stream = box.stream("router")
         await anext(stream)
-        loop.submit("long", PROMPTS[1], LONG, box.queue("router", "long"))
+        mailbox = box.queue("router", "long")
+        loop.submit("long", PROMPTS[1], longest, mailbox)
         first = await anext(stream)
         assert first and first[0][0] == "long"
         await stream.aclose()                      # the router replica went away
-        await wait_loop_idle(loop)
+        unread: list = []
 
-    run(go())
+        def ended():
+            while not mailbox.queue.empty():
+                unread.append(mailbox.queue.get_nowait())
+            return unread and unread[-1][1].finished
+        await wait_until_async(ended, 10, what="the request's last output")
+        await wait_loop_idle(loop)                 # every KV block is free
+        return [out for rid, out in unread if rid == "long"]
+
+    try:
+        outputs = run(go())
+    finally:
+        loop.shutdown()
+    assert gone == [["long"]]
+    last = outputs[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert len(last.outputs[0].token_ids) < longest.max_tokens
 
 
 def test_new_stream_takes_over_the_subscriber(loop: EngineLoop):
