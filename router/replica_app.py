@@ -5,11 +5,11 @@
               request is answered at once, 503 with what it waits for (`/health`: status
               "starting"), instead of hanging in Serve's queue
     SERVING   the FastAPI app of router/api.py answers everything
-Every answer, in every state, names the replica in a header (`x-pd-router`).
     FAILED    the start failed: 503 naming why; the deployment's health check fails too, so
               Serve replaces the replica and says why in its log
 
-STARTING -> SERVING | FAILED; nothing leaves SERVING or FAILED.
+STARTING -> SERVING | FAILED; nothing leaves SERVING or FAILED. Every answer, in every state,
+names the replica in a header (`x-pd-router`).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ _NEXT = {StartState.STARTING: {StartState.SERVING, StartState.FAILED},
 class ReplicaApp:
     def __init__(self, name: str, header: str) -> None:
         self.name, self.header = name, header
+        self._named = (header.encode(), name.encode())
         self.state = StartState.STARTING
         self.reason = "starting"
         self.app: Any = None
@@ -60,11 +61,10 @@ class ReplicaApp:
 
     async def __call__(self, scope: Scope, receive, send) -> None:
         if self.app is not None and scope["type"] == "http":
-            named = (self.header.encode(), self.name.encode())
-
             async def send_named(message: dict) -> None:
                 if message["type"] == "http.response.start":
-                    message = {**message, "headers": [*message.get("headers", ()), named]}
+                    message = {**message,
+                               "headers": [*message.get("headers", ()), self._named]}
                 await send(message)
             await self.app(scope, receive, send_named)
         elif self.app is not None:
@@ -87,7 +87,7 @@ class ReplicaApp:
         payload = json.dumps(body).encode()
         raw = [(b"content-type", b"application/json"),
                (b"content-length", str(len(payload)).encode()),
-               (self.header.encode(), self.name.encode())]
+               self._named]
         raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
         await send({"type": "http.response.start", "status": 503, "headers": raw})
         await send({"type": "http.response.body", "body": payload})
