@@ -5,7 +5,10 @@
 One process per GPU. For each message size (bf16): every rank's result is checked against the
 sum of all ranks' inputs added in fp32 in rank order (bit for bit) and against NCCL's, then
 `--calls` all-reduces are captured in one CUDA graph (as a decode step's graph holds them)
-and its replays timed with events: the median over 10 replays, per call. Prints JSON.
+and its replays timed with events: the median over 10 replays, per call. The kernels: push
+(up to its slot size), one-shot and two-shot after a barrier, and the engine's choice
+(`peer_us`). Then the all-reduce fused with the residual add and RMSNorm, by push and by
+barrier, at decode shapes (rows x hidden). Prints JSON.
 """
 from __future__ import annotations
 
@@ -47,6 +50,24 @@ def time_graph(fn, calls: int) -> float:
     return sorted(times[2:])[len(times[2:]) // 2]
 
 
+NORM_SHAPES = [(64, 4096), (128, 4096), (64, 8192), (128, 8192)]   # 8B and 70B, batch 64/128
+
+
+def time_norms(peer, rank: int, world: int, shape: tuple[int, int], calls: int) -> dict:
+    """The fused all-reduce + residual add + RMSNorm, by push and by barrier: us per call."""
+    rows, hidden = shape
+    x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+    residual, weight = torch.randn_like(x), torch.rand(hidden, device="cuda").to(x.dtype)
+    common = (x, residual, weight, 1e-5, False)
+    return {"rows": rows, "hidden": hidden,
+            "push_us": time_graph(lambda: peer._push.push_all_reduce_rms_norm(
+                *common, peer.push_bytes // 2, rank, world, peer.push_ptrs, peer.counters,
+                peer.failed), calls),
+            "barrier_us": time_graph(lambda: peer._kernels.peer_all_reduce_rms_norm(
+                *common, peer.max_bytes // 2, rank, world, peer.sig_ptrs, peer.norm_ptrs,
+                peer.counters, peer.failed), calls)}
+
+
 def rank_main(rank: int, world: int, port: int, sizes: list[int], calls: int, out) -> None:
     from pd_cluster.peer_all_reduce import PeerAllReduce
 
@@ -66,6 +87,12 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], calls: int, ou
             expected += x.float()
         expected = expected.to(torch.bfloat16)
         row = {"bytes": size}
+        pushes = size <= peer.push_bytes
+        if pushes:
+            got = inputs[rank].clone()
+            peer._push.push_all_reduce(got, got, peer.push_bytes // 2, rank, world,
+                                       peer.push_ptrs, peer.counters, peer.failed)
+            row["push_exact"] = bool(torch.equal(got, expected))
         for two_shot in (False, True):
             got = inputs[rank].clone()
             peer._kernels.peer_all_reduce(got, got, peer.max_bytes // 2, rank, world,
@@ -83,13 +110,19 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], calls: int, ou
                 lambda: peer._kernels.peer_all_reduce(
                     x, x, peer.max_bytes // 2, rank, world, peer.sig_ptrs, peer.data_ptrs,
                     peer.red_ptrs, peer.counters, peer.failed, two_shot), calls)
+        if pushes:
+            row["push_us"] = time_graph(lambda: peer._push.push_all_reduce(
+                x, x, peer.push_bytes // 2, rank, world, peer.push_ptrs, peer.counters,
+                peer.failed), calls)
         row["nccl_us"] = time_graph(lambda: dist.all_reduce(x), calls)
         row["nccl_over_peer"] = row["nccl_us"] / row["peer_us"]
         rows.append(row)
+    norms = [time_norms(peer, rank, world, shape, calls) for shape in NORM_SHAPES]
     row = {"peer_lost": peer.peer_lost()}
     if rank == 0:
         out.put({"world": world, "device": torch.cuda.get_device_name(),
-                 "calls_per_graph": calls, "dtype": "bfloat16", "sizes": rows, **row})
+                 "calls_per_graph": calls, "dtype": "bfloat16", "sizes": rows,
+                 "add_rms_norm": norms, **row})
     dist.barrier()
     peer.close()
     dist.destroy_process_group()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from bench.engine_bench import copy_bandwidth, decode_steps, prefill, start_decoding  # noqa: E402
 from bench.models import SHAPES, dummy_model_dir, kv_bytes_per_token, params_bytes  # noqa: E402
 
-COLLECTIVE_KERNELS = ("one_shot", "two_shot", "nccl")
+COLLECTIVE_KERNELS = ("push", "one_shot", "two_shot", "nccl")
 
 
 def collective_ms(llm, batch: int, context: int, steps: int = 8) -> dict:

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 IPC_LAZY_ENABLE_PEER_ACCESS = 1     # cudaIpcMemLazyEnablePeerAccess
+MEMCPY_HOST_TO_DEVICE = 1           # cudaMemcpyHostToDevice
 
 
 class PeerMemory(Protocol):
@@ -31,6 +32,9 @@ class PeerMemory(Protocol):
 
     def open(self, handle: bytes) -> int:
         """Map a peer's region (its `handle`) into this process; returns its address here."""
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy host bytes into this rank's region at `offset` (before any peer uses it)."""
 
     def close(self) -> None:
         """Unmap the peers' regions and free this rank's."""
@@ -52,6 +56,7 @@ def _cudart() -> ctypes.CDLL:
     lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
     lib.cudaFree.argtypes = [ctypes.c_void_p]
     lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_void_p]
     lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle,
                                          ctypes.c_uint]
@@ -87,6 +92,11 @@ class CudaPeerMemory:
                "cudaIpcOpenMemHandle")
         self._opened.append(ptr.value)
         return ptr.value
+
+    def write(self, offset: int, data: bytes) -> None:
+        # Synchronous for pageable host memory: done when it returns.
+        _check(_cudart().cudaMemcpy(self.address + offset, data, len(data),
+                                    MEMCPY_HOST_TO_DEVICE), "cudaMemcpy")
 
     def close(self) -> None:
         rt = _cudart()
@@ -141,6 +151,10 @@ class HostPeerMemory:
     def open(self, handle: bytes) -> int:
         self._attached.append(SharedFile(handle.decode()))
         return self._attached[-1].address
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._own.view[offset:offset + len(data)] = torch.frombuffer(bytearray(data),
+                                                                     dtype=torch.uint8)
 
     def close(self) -> None:
         for f in self._attached + [self._own]:

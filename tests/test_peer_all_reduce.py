@@ -4,11 +4,13 @@ kernels under the interpreter, so the protocol itself (epochs on the device, the
 parity halves, the two-shot's owners) is what runs.
 
 - A run of all-reduces of changing sizes and dtypes, in place, equals the sum added in fp32 in
-  rank order on every rank: two ranks (one-shot), three ranks (two-shot above 256 KB); the
-  all-reduce fused with the residual add and RMSNorm gives the residual exactly and the norm
-  as its torch reference does, interleaved with the plain ones.
+  rank order on every rank: two ranks (one-shot), three ranks (two-shot above 256 KB); 16-bit
+  messages go by push (kernels/peer_push_all_reduce.py), interleaved with the others, and
+  inputs full of -0.0 (the push's empty mark) are summed, not waited for; the all-reduce
+  fused with the residual add and RMSNorm gives the residual exactly and the norm as its
+  torch reference does, by push and by barrier, interleaved with the plain ones.
 - A rank whose peer never arrives stops waiting after its spin budget and reports the peer
-  lost, instead of hanging.
+  lost, instead of hanging: by barrier (fp32) and by push (fp16).
 - GPU (2 or more, NVLink): the same run in bf16 over CUDA IPC, bit for bit.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ pytestmark = pytest.mark.slow       # ranks are processes that import torch and 
 # (elements, dtype): one chunk; chunks across programs; several chunks per program (over 64
 # chunks of 4096), which is two-shot at three ranks; a single element.
 CALLS = [(5, torch.float32), (4096 * 3 + 7, torch.float16), (4096 * 70 + 1, torch.float32),
-         (300, torch.float32), (4096 * 70 + 1, torch.float16), (1, torch.float16)]
+         (300, torch.float32), (4096 * 70 + 1, torch.float16), (1, torch.float16),
+         (4096 + 3, torch.float16)]
 # The all-reduce fused with the residual add and RMSNorm: [rows, HIDDEN], rows past the 64
 # programs (two rows for some).
 HIDDEN = 64
@@ -51,14 +54,21 @@ def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool,
     peer = PeerAllReduce(rank, world, device, dist.group.WORLD, max_bytes=2 << 20)
     if lose_peer:
         peer.max_spins = 2000
-        if rank == 0:
-            peer(torch.ones(10, device=device))
-        out.put((rank, peer.peer_lost()))
+        lost = []
+        for dtype in (torch.float32, torch.float16):
+            if rank == 0:
+                peer(torch.ones(10, device=device, dtype=dtype))
+            lost.append(peer.peer_lost())
+            peer.failed.zero_()
+        out.put((rank, lost))
     else:
         wrong = []
         for i, (n, dtype) in enumerate(calls * 2):      # twice: both parity halves reused
             xs = [torch.randn(n, generator=torch.Generator().manual_seed(i * 7 + r))
                   .to(device=device, dtype=dtype) for r in range(world)]
+            if i == len(calls) - 1:
+                for x in xs:
+                    x[::2] = -0.0       # the push's empty mark, sent as +0.0
             got = xs[rank].clone()
             peer(got)
             if not torch.equal(got, all_reduce_ref(xs)):
@@ -125,7 +135,7 @@ def test_three_ranks_sum_every_size_exactly_two_shot_for_large_messages():
 
 
 def test_a_rank_whose_peer_never_arrives_gives_up_and_says_so():
-    assert run_ranks(2, lose_peer=True) == [(0, True), (1, False)]
+    assert run_ranks(2, lose_peer=True) == [(0, [True, True]), (1, [False, False])]
 
 
 @pytest.mark.gpu
