@@ -2,13 +2,12 @@
 AppConfig, its `engine:` pd_cluster/config.py EngineConfig):
 
 - configs/pd.yaml's args validate and name every field of the tree;
-- helm/values.schema.json describes exactly the tree's fields that the chart exposes (values
-  are the tree's paths in camelCase, the router's under `router:`), with the tree's choices,
-  bounds and nullability;
+- helm/values.schema.json is what `pd-cluster helm-schema` generates from the tree (values are
+  the tree's paths in camelCase, some moved: pd_cluster/helm_schema/tree.py);
 - the chart, rendered by a real helm, passes every exposed value through as the arg of the
   same path, and its default values are the tree's defaults.
 
-A field added to the tree and not to pd.yaml, the schema and values.yaml fails here.
+A field added to the tree and not to pd.yaml, values.yaml or the generated schema fails here.
 """
 from __future__ import annotations
 
@@ -17,46 +16,23 @@ import subprocess
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import annotated_types
-import pytest
 import yaml
 from helm_binary import helm_binary
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from pd_cluster.cli import main
+from pd_cluster.config import EngineConfig
+from pd_cluster.helm_schema.generate import schema_text
+from pd_cluster.helm_schema.tree import COMPUTED, camel
+from pd_cluster.helm_schema.tree import value_path as top_value_path
 from router.app_config import AppConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm"
 FieldPath = tuple[str, ...]
-# Tree fields the chart computes itself instead of taking a value of the same path.
-CHART_COMPUTED: dict[FieldPath, str] = {
-    ("num_prefill",): "prefill.replicas (none in colocated mode)",
-    ("num_decode",): "decode.replicas",
-    ("prefill_resources",): "prefill.gpusPerReplica / cpusPerReplica and the group's resource",
-    ("decode_resources",): "decode.gpusPerReplica / cpusPerReplica and the group's resource",
-    ("api_key_env",): "apiKey.envName, when apiKey.secretName is set",
-}
-# Tree fields whose value sits at another path: the router deployment's, grouped under
-# `router:` as charts group a deployment's replicas and autoscaling.
-RENAMED: dict[FieldPath, FieldPath] = {
-    ("router_replicas",): ("router", "replicas"),
-    ("router_autoscaling",): ("router", "autoscaling"),
-    # A replica's GPUs belong with its pool's other sizes.
-    ("prefill_tensor_parallel_size",): ("prefill", "tensorParallelSize"),
-    ("decode_tensor_parallel_size",): ("decode", "tensorParallelSize"),
-}
-# Top-level values that are the chart's own (Kubernetes objects, images, pods), no tree field.
-CHART_ONLY = {"global", "nameOverride", "fullnameOverride", "image", "imagePullSecrets",
-              "rayVersion", "apiKey", "extraEnv", "head", "prefill", "decode", "rdma", "ucx",
-              "podSecurityContext", "containerSecurityContext", "service", "metrics"}
-# Deeper values that are the chart's own: the switch that the tree writes as null.
-CHART_ONLY_PATHS = {("router", "autoscaling", "enabled")}
-JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
-BOUNDS = {"minimum": (annotated_types.Ge, "ge"), "exclusiveMinimum": (annotated_types.Gt, "gt"),
-          "maximum": (annotated_types.Le, "le"), "exclusiveMaximum": (annotated_types.Lt, "lt")}
 
 
 def is_model(annotation: Any) -> bool:
@@ -85,22 +61,13 @@ def leaves(model: type[BaseModel] = AppConfig,
     return found
 
 
-EXPOSED = {path: field for path, field in leaves().items() if path not in CHART_COMPUTED}
-
-
-def camel(path: FieldPath) -> FieldPath:
-    def one(name: str) -> str:
-        head, *rest = name.split("_")
-        return head + "".join(word.capitalize() for word in rest)
-    return tuple(map(one, path))
+# Tree fields the chart takes a value for (not one of those it computes), by their path.
+EXPOSED = {path: field for path, field in leaves().items() if path[0] not in COMPUTED}
 
 
 def value_path(path: FieldPath) -> FieldPath:
-    """The chart value of a tree field: its path in camelCase, or under RENAMED's prefix."""
-    for prefix, values in RENAMED.items():
-        if path[:len(prefix)] == prefix:
-            return values + camel(path[len(prefix):])
-    return camel(path)
+    """The chart value of a tree field: its top-level field's value path, then camelCase."""
+    return top_value_path(path[0]) + tuple(map(camel, path[1:]))
 
 
 def named_paths(args: dict, model: type[BaseModel] = AppConfig, prefix: FieldPath = ()) -> set:
@@ -150,77 +117,26 @@ def test_the_tree_fields_are_described():
 
 # -- helm/values.schema.json ---------------------------------------------------------------
 
-def schema() -> dict:
-    return json.loads((CHART / "values.schema.json").read_text())
+def test_values_schema_is_the_one_generated_from_the_tree():
+    committed = (CHART / "values.schema.json").read_text(encoding="utf-8")
+    assert committed == schema_text(), ("helm/values.schema.json is not the generated one: run "
+                                        "`pd-cluster helm-schema --output "
+                                        "helm/values.schema.json`")
 
 
-def schema_leaves(node: dict, prefix: FieldPath = (), chart_only: bool = False
-                  ) -> set[FieldPath]:
-    """Leaf paths of the schema that stand for tree fields: not the chart's own values, but
-    those a tree field was renamed to even inside a chart-only section (a pool's
-    tensorParallelSize)."""
-    found = set()
-    for name, prop in node["properties"].items():
-        path = prefix + (name,)
-        if path in CHART_ONLY_PATHS:
-            continue
-        own = chart_only or (not prefix and name in CHART_ONLY)
-        if "properties" in prop:
-            found |= schema_leaves(prop, path, own)
-        elif not own or path in RENAMED.values():
-            found.add(path)
-    return found
+def test_helm_schema_command_prints_or_writes_the_generated_schema(tmp_path, capsys):
+    assert main(["helm-schema"]) == 0
+    assert capsys.readouterr().out == schema_text()
+    assert main(["helm-schema", "--output", str(tmp_path / "schema.json")]) == 0
+    assert (tmp_path / "schema.json").read_text(encoding="utf-8") == schema_text()
 
 
-def test_schema_describes_exactly_the_fields_the_chart_exposes():
-    described, wanted = schema_leaves(schema()), {value_path(p) for p in EXPOSED}
-    assert not wanted - described, f"tree fields missing from the schema: {wanted - described}"
-    assert not described - wanted, (f"schema properties with no tree field: "
-                                    f"{described - wanted} (chart-only ones go in CHART_ONLY)")
-
-
-def schema_property(path: FieldPath) -> dict:
-    node = schema()
-    for name in value_path(path):
-        node = node["properties"][name]
-    return node
-
-
-def base_type(annotation: Any) -> tuple[Any, bool]:
-    """(the type without None, whether None is allowed)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        (inner,) = args
-        return inner, True
-    return annotation, False
-
-
-def with_value(path: FieldPath, value: Any) -> dict:
-    args: dict = {}
-    node = args
-    for name in path[:-1]:
-        node = node.setdefault(name, {})
-    node[path[-1]] = value
-    return args
-
-
-@pytest.mark.parametrize("path", sorted(EXPOSED), ids=".".join)
-def test_schema_property_has_the_tree_fields_choices_bounds_and_nullability(path):
-    prop, field = schema_property(path), EXPOSED[path]
-    inner, nullable = base_type(field.annotation)
-    if typing.get_origin(inner) is Literal:     # null among the choices when it may be null
-        assert prop["enum"] == list(typing.get_args(inner)) + ([None] if nullable else [])
-        return
-    types_ = prop["type"] if isinstance(prop.get("type"), list) else [prop.get("type")]
-    assert ("null" in types_) == nullable
-    if "enum" in prop:          # a narrower set than the tree's type (block sizes): all valid
-        for value in prop["enum"]:
-            AppConfig.from_args(with_value(path, value))
-        return
-    assert JSON_TYPES[inner] in types_
-    for key, (kind, name) in BOUNDS.items():
-        in_tree = [getattr(m, name) for m in field.metadata if isinstance(m, kind)]
-        assert in_tree == ([prop[key]] if key in prop else []), key
+def test_the_block_sizes_the_chart_allows_are_engine_block_sizes():
+    """engine.blockSize's enum is the chart's (a power of two is no JSON type): the tree
+    accepts each of them."""
+    schema = json.loads(schema_text())
+    for size in schema["properties"]["engine"]["properties"]["blockSize"]["enum"]:
+        assert EngineConfig(block_size=size).block_size == size
 
 
 # -- the chart's rendered args ---------------------------------------------------------------
@@ -252,7 +168,7 @@ def rendered_args(*helm_args: str) -> dict:
 def test_chart_default_args_are_every_exposed_field_at_the_trees_default():
     args = rendered_args()
     config, defaults = AppConfig.from_args(args), AppConfig()
-    assert named_paths(args) - set(CHART_COMPUTED) == set(EXPOSED)
+    assert {p for p in named_paths(args) if p[0] not in COMPUTED} == set(EXPOSED)
     for path in EXPOSED:
         assert lookup(config, path) == lookup(defaults, path), ".".join(path)
 
