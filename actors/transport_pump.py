@@ -5,9 +5,10 @@ calls `progress()`. So each actor gives its transport to a pump: other threads h
 with `call()` (or `call_after(event, ...)`: once a CUDA event has fired, e.g. a layer's KV is
 written) and get futures back. Commands run in the order they were given; the pump never
 blocks on one: a command whose event has not fired waits at the head of the line while the
-pump goes on progressing transfers and settling waits. (It used to block on the event, and
-under steady prefill load, with a layer's post always queued, it never got to noticing that
-earlier writes had landed: completions were seen seconds late.)
+pump goes on progressing transfers and settling waits. Blocking on the event would starve
+them: under steady prefill load a layer's post is always queued, so a blocking pump would never
+get to noticing that earlier writes had landed, and completions would be seen seconds late
+(docs/performance.md, "The transport pump").
 """
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ class TransportPump:
             self._take(self._tick_s / 5 if busy else self._tick_s)
             start = time.monotonic()
             # Every command that is ready, then one progress and one settle: their cost grows
-            # with the transfers in flight, and paying it after each command made a pump that
-            # fell behind slower still (seconds per iteration, at 15 prompts/s per P on x4).
+            # with the transfers in flight, so paying it after each command would make a pump
+            # that fell behind slower still.
             while self._line:
                 event, fn, fut, queued = self._line[0]
                 if event is not None and not event.query():

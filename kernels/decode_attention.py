@@ -41,9 +41,9 @@ from kernels.paged import (FP8_MAX, attend_paged_range, attend_paged_range_t, ch
                            widen_by_ptx)
 from kernels.pdl import pdl_args, wait_for_inputs
 
-# Splitting fills the GPU when batch x kv_heads is small. Measured on an H200 (bf16, head_dim
-# 128, bench sweeps): KV bandwidth saturates once about 3.5 stage-1 programs per SM are in
-# flight, whatever the occupancy allows; more splits only add merge work.
+# Splitting fills the GPU when batch x kv_heads is small. KV bandwidth saturates once about 3.5
+# stage-1 programs per SM are in flight, whatever the occupancy allows; more splits only add
+# merge work (docs/performance.md, "Decode attention").
 PROGRAMS_PER_SM = 3.5
 MIN_SPLIT_TOKENS = 256    # shorter chunks cost more in stage 2 than they win in stage 1
 MAX_SPLITS = 64
@@ -206,20 +206,15 @@ def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool
     """Whether an fp8 decode runs one-warp programs over 32-token tiles instead of 4-warp
     programs over 64/128 tokens.
 
-    The fp8 kernel is latency-bound (it read 2.2-3.3 TB/s on an H200 with one tile in flight
-    where the same kernel reads bf16 at 3.5-4.4: bench/results/kv_layout_h200.json,
-    kv_pages_h200.json); more, smaller programs hide more of each one's latency. (The rule
-    was measured with one tile in flight; with two, ONE_WARP_STAGES, bench/attn_diag.py
-    --chain found no better setting at batch 64-256 x 1k-2k.) Measured on an H200 as the
-    CUDA graphs launch it, splits sized for max_model_len 4096 (bench/attn_diag.py --rule,
-    attn_diag_rule_graph_h200.json): with at least 1024 sequence-heads (batch 128 at 8 KV
-    heads, one split) it wins at every context, 0.86-0.95x the 4-warp time from 128 to 4096
-    tokens. With 128-1023 it needs splits to fill the GPU and wins only over long contexts:
-    0.85-0.99x from 1k to 4k tokens at batch 16-64, but up to 1.7x slower at 128-512
-    (64 x 128: 26 against 15 us); pd_cluster/cuda_graphs.py captures short-context graphs
-    apart for that. Below 128 it is level or slower. An H100 agrees at 1024+ sequence-heads
-    (0.91-0.97x) and past 1k tokens at batch 32-64 (0.93-0.99x); batch 16 x 2k lost (1.09x;
-    attn_diag_rule_graph_h100x1.json)."""
+    The fp8 kernel is latency-bound, not bandwidth-bound: with 4-warp programs and one tile in
+    flight it read its KV well below the rate at which the same kernel reads a bf16 cache.
+    More, smaller programs hide more of each one's latency. From ONE_WARP_MIN_SEQ_HEADS
+    sequence-heads (batch 128 at 8 KV heads, one split) there are enough of them at any
+    context. With fewer, one-warp programs need splits to fill the GPU, and the splits pay off
+    only over long contexts: over short ones they are slower, which is why
+    pd_cluster/cuda_graphs.py captures short-context graphs apart. Below
+    ONE_WARP_MIN_SPLIT_HEADS they are level or slower. The measurements, on H200 and H100:
+    docs/performance.md, "Decode attention"."""
     if not fp8 or head_dim > 128:
         return False
     return seq_heads >= ONE_WARP_MIN_SEQ_HEADS or (
@@ -228,18 +223,13 @@ def one_warp(head_dim: int, fp8: bool, seq_heads: int, max_seq_len: int) -> bool
 
 def _block_n(head_dim: int, fp8: bool, single_warp: bool, programs: int, num_sms: int) -> int:
     """Tokens per K/V tile. 16-bit: 64 (32 past head_dim 128, for registers). One-warp fp8
-    programs (transposed): 32, two tiles in flight (ONE_WARP_STAGES). Measured on an H200 as
-    the CUDA graphs launch it (bench/attn_diag.py --buffers,
-    bench/results/attn_diag_buffers_h200.json): 149 against 162 us at 256 x 1k and 277 / 308
-    at 256 x 2k, where 16-token tiles with one buffer were the fastest before (fewer registers,
-    more programs per SM: 163.1 against 164.9 us, attn_diag_transposed_h200.json); with two
-    buffers 16-token tiles are the slower (182 us). Otherwise an fp8 tile of 128 tokens holds
-    the bytes of a 16-bit tile of 64, and once V is widened in registers (kernels/paged.py)
-    128 is the faster on an H200 while more than ~4 programs per SM queue up, 64 below that,
-    where each program's chain of tiles is the critical path (1k context: 187 against 205 us
-    at batch 256, 101 / 108 at 128, 66 / 59 at 64; bench/decode_fp8_variants.py `v_asm`). An
-    H100 agrees at 256 (217 / 221 us) and 64 (66 / 74-87) but not at 128 (122 / 118:
-    bench/results/attn_diag_occupancy_h100x1.json); the rule follows the H200."""
+    programs (transposed): 32, with two tiles in flight (ONE_WARP_STAGES); 16-token tiles, the
+    faster with one buffer (fewer registers, more programs per SM), are the slower with two.
+    Otherwise an fp8 tile of 128 tokens holds the bytes of a 16-bit tile of 64, and once V is
+    widened in registers (kernels/paged.py) 128 is the faster while more than ~4 programs per
+    SM queue up, 64 below that, where each program's chain of tiles is the critical path.
+    Where an H100 and an H200 disagree, the rule follows the H200 (docs/performance.md,
+    "Decode attention")."""
     if head_dim > 128 or single_warp:
         return 32
     if not fp8:
