@@ -51,14 +51,15 @@ from ray import serve
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.serving_bench import APP, borrow_client, free_port, ingress_env  # noqa: E402
 from pd_cluster.benchmark.serving_runs import set_args  # noqa: E402
 from pd_cluster.request import FinishReason  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
-from router.app import build_app, model_dir  # noqa: E402
+from router.app import build_app  # noqa: E402
 from router.app_config import AppConfig  # noqa: E402
+from router.control.model import model_dir  # noqa: E402
 from router.routing import RoutingInputs, make_policy  # noqa: E402
-from router.serving_bench import APP, borrow_client, free_port, ingress_env  # noqa: E402
 
 PROMPT = "The capital of France is"
 PATHS = ("http", "direct", "health", "ping")

@@ -54,6 +54,7 @@ from ray import serve
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.serving_bench import APP, engine_actors, serving  # noqa: E402
 from pd_cluster.benchmark.served_offline import (  # noqa: E402
     DEFINITIONS, CpuMeter, Record, completion_body, haproxy_pids, machine, phase_tokens,
     pooled, random_prompts, served_phase, summarize, with_first_token)
@@ -61,9 +62,8 @@ from pd_cluster.benchmark.serving_runs import app_args  # noqa: E402
 from pd_cluster.config import ModelConfig  # noqa: E402
 from pd_cluster.sampling_params import SamplingParams  # noqa: E402
 from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
-from router.app import model_dir, replica_engine  # noqa: E402
 from router.app_config import AppConfig  # noqa: E402
-from router.serving_bench import APP, engine_actors, serving  # noqa: E402
+from router.control.model import model_dir, replica_engine  # noqa: E402
 
 COLOCATED = ["mode=colocated", "num_prefill=0"]
 

@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from router.serving_bench import main  # noqa: E402
+from bench.serving_bench import main  # noqa: E402
 
 # The benchmarks themselves are pd_cluster/benchmark/sweep.py (and validate.py); serving each
 # configuration on a local Ray is router/serving_bench.py.

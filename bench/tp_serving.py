@@ -30,9 +30,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.models import SHAPES, dummy_model_dir, word_tokenizer  # noqa: E402
+from bench.serving_bench import serving  # noqa: E402
 from pd_cluster.benchmark.loadgen import make_prompt  # noqa: E402
 from pd_cluster.benchmark.serving_runs import app_args, bench  # noqa: E402
-from router.serving_bench import serving  # noqa: E402
 
 CONFIGS = {
     "p2d2": {"mode": "disaggregated", "num_prefill": 1, "num_decode": 1,

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.control.membership import PoolState
 from router.errors import APIError, ErrorCode, bad_request, internal, too_large, unauthorized
-from router.membership import PoolState
 from router.serving import OpenAIServing
 from router.streams import LoadMonitor, MembershipWatcher
 

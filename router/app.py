@@ -2,7 +2,7 @@
 
     build_app(args)            validates args (AppConfig), sizes the engine replicas from
                                ray.cluster_resources(), binds the EngineController
-                               (router/controller.py) and the router deployment
+                               (router/control/controller.py) and the router deployment
     OpenAIRouter.__init__      checks the args and returns at once; in the background it asks
                                the controller for the model (to load the tokenizer) and the
                                engines' membership, and routes over them; it starts no
@@ -11,7 +11,7 @@
                                starts, then the FastAPI app of router/api.py
 
 Two deployments: `EngineController` (one replica) owns the engine replicas, plain Ray
-actors (why: router/controller.py); `OpenAIRouter` (`router_replicas`, or Serve's
+actors (why: router/control/controller.py); `OpenAIRouter` (`router_replicas`, or Serve's
 autoscaling) is stateless: any number of replicas route over the same engines, each from the
 engines' own load and prefix reports, each with its own output stream per engine. A router
 replica that dies loses only its own streams: the engines end its requests when its
@@ -29,13 +29,13 @@ from typing import Any
 import ray
 from ray import serve
 
-from pd_cluster.config import DEFAULT_MODEL, EngineConfig, ModelConfig, resolve_max_model_len
+from pd_cluster.config import EngineConfig
 from pd_cluster.tokenizer import load_tokenizer
 from router.api import Router, create_app
+from router.app_config import AppConfig, replica_actor_options
+from router.control.controller import EngineController
 from router.log_setup import log_info
 from router.replica_app import ReplicaApp, StartState
-from router.app_config import AppConfig, replica_actor_options
-from router.controller import EngineController
 from router.metrics import RouterMetrics
 from router.routing import RoutingInputs, make_policy
 from router.serving import OpenAIServing
@@ -60,20 +60,6 @@ ENGINE_START_TIMEOUT_S = 900.0
 # router replica's own HTTP server, without the Python proxy's extra hop. Ray reads it when it
 # starts, so it belongs in the environment of `ray start` / `serve run`, not in a config file.
 HAPROXY_INGRESS_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
-
-
-def model_dir(config: AppConfig) -> str:
-    if config.engine.model == DEFAULT_MODEL:
-        from pd_cluster.default_model import default_model_path
-        return default_model_path()
-    return config.engine.model
-
-
-def replica_engine(config: AppConfig, path: str) -> EngineConfig:
-    """`config.engine` with max_model_len resolved as the engine would: resolved once by the
-    router and handed to every engine replica, so the router's prompt limits and theirs agree."""
-    max_model_len = resolve_max_model_len(config.engine, ModelConfig.from_dir(path))
-    return config.engine.model_copy(update={"max_model_len": max_model_len})
 
 
 def start_client(config: AppConfig, engine: EngineConfig,

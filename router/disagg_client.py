@@ -41,10 +41,10 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
+from router.control.fleet import EngineFleet
+from router.control.membership import Membership, ReplicaTable
 from router.engine_client import table_loads
 from router.errors import EngineUnavailable
-from router.fleet import EngineFleet
-from router.membership import Membership, ReplicaTable
 from router.output_streams import OutputStreams
 from router.routing import DECODE, PREFILL, ReplicaLoad, Route
 

@@ -20,7 +20,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
-from router.membership import Membership, ReplicaTable
+from router.control.membership import Membership, ReplicaTable
 from router.routing import ReplicaLoad, Route
 
 

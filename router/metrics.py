@@ -20,8 +20,8 @@ from prometheus_client.registry import Collector
 from pd_cluster.request import FinishReason
 from pd_cluster.step_totals import STEP_FEATURES
 from pd_cluster.planner import Action
-from router.membership import Membership, ReplicaState
-from router.planner_loop import MAX_SAMPLES, LatencySample, PlannerView
+from router.control.membership import Membership, ReplicaState
+from router.control.planner_loop import MAX_SAMPLES, LatencySample, PlannerView
 from router.routing import ReplicaLoad
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -225,7 +225,7 @@ class RouterMetrics:
         r.register(self._planner)
         self._kv_pools = _KVPoolCollector()
         r.register(self._kv_pools)
-        # Finished requests for the engine controller's planner (router/planner_loop.py),
+        # Finished requests for the engine controller's planner (router/control/planner_loop.py),
         # when it is on; sent and emptied every REPORT_EVERY_S.
         self.collect_samples = False
         self.samples: list[LatencySample] = []

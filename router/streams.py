@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from actors.messages import DECODE
+from router.control.membership import Membership
+from router.control.planner_loop import REPORT_EVERY_S
 from router.engine_client import EngineClient, answer_within
 from router.errors import overloaded
-from router.membership import Membership
 from router.metrics import RouterMetrics
-from router.planner_loop import REPORT_EVERY_S
 from router.routing import ReplicaLoad, RoutingPolicy
 
 T = TypeVar("T")
@@ -167,10 +167,10 @@ def serving_change(old: Membership | None, new: Membership,
 
 class MembershipWatcher:
     """Keeps this router replica's view of the engines current: long-polls the engine
-    controller's membership (router/controller.py) and hands each new version to the client
+    controller's membership (router/control/controller.py) and hands each new version to the client
     (which replicas to use), the routing policy (which it may pick), admission (the running
     slots of the READY decode replicas) and the metrics. The other way, with the planner on,
-    it reports finished requests' latencies to the controller (router/planner_loop.py)."""
+    it reports finished requests' latencies to the controller (router/control/planner_loop.py)."""
 
     def __init__(self, controller: Any, client: EngineClient, policy: RoutingPolicy,
                  admission: Admission, metrics: RouterMetrics, max_num_seqs: int,
@@ -195,7 +195,7 @@ class MembershipWatcher:
         self.metrics.set_membership(membership)
         self._say_serving(old, membership)
         if old is not None:
-            # The engine controller logs each change (router/fleet.py); every router again
+            # The engine controller logs each change (router/control/fleet.py); every router again
             # would repeat it once per router.
             for m in membership.members:
                 was = next((o for o in old.members if o.key == m.key), None)

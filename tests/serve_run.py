@@ -17,8 +17,8 @@ import ray
 import yaml
 from ray import serve
 
+from bench.serving_bench import free_port, haproxy_wanted, ingress_env
 from ray_support import environ, stop_shared_ray
-from router.serving_bench import free_port, haproxy_wanted, ingress_env
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -48,7 +48,7 @@ def test_nested_sections_and_explicit_resources_are_parsed():
 def test_the_engine_replicas_get_the_engine_mapping_with_max_model_len_resolved(
         default_model_dir):
     pytest.importorskip("ray")
-    from router.app import replica_engine
+    from router.control.model import replica_engine
 
     shared = AppConfig.from_args({"engine": {"gpu_memory_utilization": 0.45, "seed": 3},
                                   "prefill_resources": {"num_gpus": 0.5},

@@ -12,7 +12,7 @@ from waiting import wait_until  # noqa: E402
 
 
 def test_an_actor_still_constructing_is_placed_and_an_oversized_one_is_not(ray_cluster):
-    from router.placement import ray_actor_placed, unplaced_reason
+    from router.control.placement import ray_actor_placed, unplaced_reason
     ray = ray_cluster
 
     @ray.remote(num_cpus=0)

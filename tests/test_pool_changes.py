@@ -18,7 +18,7 @@ from tiny_models import make_tiny_model
 from waiting import wait_until_async
 
 ray = pytest.importorskip("ray")
-from router.app import replica_engine  # noqa: E402
+from router.control.model import replica_engine  # noqa: E402
 from router.disagg_client import DisaggregatedClient  # noqa: E402
 from test_disagg_actors import load_of, shutdown, start, wait_all_free  # noqa: E402
 

@@ -76,7 +76,7 @@ def test_a_replica_leaves_serving_or_failed_never():
 def test_the_ready_line_comes_once_when_every_pool_can_serve_and_a_warning_when_one_cannot():
     import logging
 
-    from router.membership import EngineMember, Membership, ReplicaState
+    from router.control.membership import EngineMember, Membership, ReplicaState
     from router.streams import serving_change
 
     def membership(version: int, prefill: ReplicaState, decode: ReplicaState) -> Membership:

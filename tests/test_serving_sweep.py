@@ -65,7 +65,7 @@ def harness() -> Iterator:
     """The benchmarks' harness (router/serving_bench.py), keeping its last server for the next
     test of the module."""
     pytest.importorskip("ray")
-    from router.serving_bench import LocalRayHarness
+    from bench.serving_bench import LocalRayHarness
     from serve_run import API_KEY
 
     class KeptServer(LocalRayHarness):

@@ -1,8 +1,9 @@
 """EngineController: the one owner of an application's engine replicas (a Serve deployment).
 
-    __init__            validates the args, then in the background: resolves the model (the
-                        bundled default is fetched on first use), starts the EngineFleet
-                        (router/fleet.py) of the config's prefill and decode replicas
+    __init__            validates the args, then in the background: resolves the model
+                        (router/control/model.py; the bundled default is fetched on first
+                        use), starts the EngineFleet (router/control/fleet.py) of the
+                        config's prefill and decode replicas
     model_info()        where the model is and the engine config every replica runs with
                         (router replicas need it to tokenize)
     membership(v, t, e) the fleet's Membership once its version is past v, at once if e is
@@ -10,7 +11,7 @@
                         replica keeps one open
     drain(role, id)     stop routing to a replica, wait until it is idle, stop it
     report(samples)     a router replica's finished requests, for the planner (when
-                        `planner.enabled`: router/planner_loop.py resizes the pools every
+                        `planner.enabled`: router/control/planner_loop.py resizes the pools every
                         interval); answers with the planner's decisions so far
     planner_log()       the planner's recent decisions with their inputs
     (Serve stops it)    its engine actors die with it
@@ -42,11 +43,12 @@ from typing import Any
 from ray import serve
 
 from router.app_config import AppConfig
-from router.fleet import EngineFleet
+from router.control.fleet import EngineFleet
+from router.control.membership import Membership, ModelInfo
+from router.control.model import model_dir, replica_engine
+from router.control.planner_loop import LatencySample, PlannerLoop, PlannerView, PlanRecord
+from router.control.pool_changes import RoleChange
 from router.log_setup import log_info
-from router.pool_changes import RoleChange
-from router.membership import Membership, ModelInfo
-from router.planner_loop import LatencySample, PlannerLoop, PlannerView, PlanRecord
 
 logger = logging.getLogger(__name__)
 LONGEST_POLL_S = 30.0
@@ -67,8 +69,8 @@ STOP_WITHIN_S = 2.0
                   graceful_shutdown_timeout_s=STOP_WITHIN_S, graceful_shutdown_wait_loop_s=0.5)
 class EngineController:
     async def __init__(self, args: dict[str, Any], actor_options: dict[str, dict]) -> None:
-        log_info("router.fleet", "router.planner_loop", "router.controller",
-                 "pd_cluster.default_model")
+        log_info("router.control.fleet", "router.control.planner_loop",
+                 "router.control.controller", "pd_cluster.default_model")
         self.config = AppConfig.from_args(args)
         self.actor_options = actor_options
         self.fleet: EngineFleet | None = None
@@ -77,7 +79,6 @@ class EngineController:
         self._start = asyncio.get_running_loop().create_task(self._start_engines())
 
     async def _start_engines(self) -> None:
-        from router.app import model_dir, replica_engine   # the app module imports us
         try:
             # The bundled model's first fetch downloads and converts it: off the event loop.
             path = await asyncio.to_thread(model_dir, self.config)

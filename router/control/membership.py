@@ -1,6 +1,6 @@
 """Membership: which engine replicas exist, what state each is in, how to reach it.
 
-The EngineController (router/controller.py) owns the engine replicas and publishes a
+The EngineController (router/control/controller.py) owns the engine replicas and publishes a
 Membership with a version that grows on every change of a replica's state or actor; router
 replicas long-poll it and route over the READY members. Loads and prefix reports do not bump
 the version: routers ask the engines for those themselves.

@@ -31,8 +31,8 @@ from pd_cluster.config import EngineConfig
 from router.app import HAPROXY_INGRESS_ENV
 
 APP = "pd"              # the application's name on the benchmarks' Serve instance
-# Where router/ and pd_cluster/ are (this source tree, or site-packages): the local Ray's
-# workers import them from there.
+# This source tree, where router/ and pd_cluster/ are: the local Ray's workers import them
+# from there.
 PACKAGES_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,6 +1,6 @@
-"""PoolChanges: the EngineFleet's (router/fleet.py) changes to its pools' sizes and roles, made
-so that no request fails: the engine controller's planner (router/planner_loop.py) and an
-operator's drain call them.
+"""PoolChanges: the EngineFleet's (router/control/fleet.py) changes to its pools' sizes and
+roles, made so that no request fails: the engine controller's planner
+(router/control/planner_loop.py) and an operator's drain call them.
 
     drain(role, id)   DRAINING: routers stop sending it requests; once it runs and holds
                       nothing (or at the timeout) it is killed → RETIRED, and never restarted;
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.messages import DECODE, PREFILL, ReplicaLoad
-from router.membership import ReplicaState
+from router.control.membership import ReplicaState
 
-logger = logging.getLogger("router.fleet")
+logger = logging.getLogger("router.control.fleet")
 
 DRAIN_GRACE_S = 2.0           # routers see a membership change within a long poll's wake-up
 DRAIN_POLL_S = 0.25

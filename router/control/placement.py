@@ -1,5 +1,5 @@
 """Why Ray has not placed an engine actor: what it asks for against what the cluster's nodes
-offer, and whether an autoscaler is adding nodes (router/fleet.py reports it in /health and
+offer, and whether an autoscaler is adding nodes (router/control/fleet.py reports it in /health and
 the log while a replica stays PENDING)."""
 from __future__ import annotations
 

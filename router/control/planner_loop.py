@@ -30,8 +30,8 @@ import numpy as np
 
 from actors.messages import DECODE, PREFILL
 from pd_cluster.planner import Action, Decision, IntervalStats, Planner, PlannerSettings, Predict
-from router.fleet import EngineFleet
-from router.membership import ReplicaState
+from router.control.fleet import EngineFleet
+from router.control.membership import ReplicaState
 
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 1.0          # how often a router replica sends its samples

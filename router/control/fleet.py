@@ -1,11 +1,11 @@
 """EngineFleet: one application's engine replicas, started, joined, watched and restarted.
 
-The engine controller (router/controller.py) runs one, supervised, and publishes its
+The engine controller (router/control/controller.py) runs one, supervised, and publishes its
 Membership to the router replicas. Tests and benchmarks run one in their own process,
 unsupervised, over actors they started (`EngineFleet.adopt`), to drive an EngineClient
 without Serve: one way to bring engines up either way.
 
-A slot is a (role, replica id); its states are ReplicaState's (router/membership.py):
+A slot is a (role, replica id); its states are ReplicaState's (router/control/membership.py):
     spawn      a new actor in the slot: PENDING, and its bring-up task starts
     bring-up   waits for the actor's first answer (its model is loaded). Meanwhile, every
                PLACEMENT_CHECK_S, asks Ray whether it has placed the actor: once placed the
@@ -20,7 +20,7 @@ A slot is a (role, replica id); its states are ReplicaState's (router/membership
     restart    (supervised) a DEAD slot gets a new actor (PENDING) after a backoff that
                doubles with each death soon after a start, RESTART_BACKOFF_S to
                MAX_BACKOFF_S; a replica that served STABLE_AFTER_S starts over at the base
-    changes    drain, add, flip (router/pool_changes.py): pools resized and engines moved
+    changes    drain, add, flip (router/control/pool_changes.py): pools resized and engines moved
                between roles, no request failing
 Every change of a slot's state or actor bumps the version and wakes `membership` long polls.
 """
@@ -38,9 +38,9 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.messages import DECODE, PREFILL, ReplicaLoad
-from router.membership import EngineMember, Membership, ReplicaState, check_transition
-from router.placement import ray_actor_placed, unplaced_reason
-from router.pool_changes import PoolChanges, short_reason as _reason
+from router.control.membership import EngineMember, Membership, ReplicaState, check_transition
+from router.control.placement import ray_actor_placed, unplaced_reason
+from router.control.pool_changes import PoolChanges, short_reason as _reason
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class EngineFleet(PoolChanges):
         self._join_lock: asyncio.Lock | None = None
         self._supervisor: asyncio.Task | None = None
         self.started = False
-        self.role_changes: list = []      # RoleChange (router/pool_changes.py), in order
+        self.role_changes: list = []      # RoleChange (router/control/pool_changes.py), in order
 
     @classmethod
     def for_app(cls, config: Any, engine: Any, actor_options: Mapping[str, dict[str, Any]],
