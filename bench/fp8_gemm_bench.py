@@ -24,11 +24,23 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gemm_bench import CALLS, SHAPES, time_graph  # noqa: E402
+from bench.models import SHAPES as MODEL_SHAPES  # noqa: E402
 from kernels.fp8_linear import fp8_linear_small  # noqa: E402
 from kernels.fp8_quant import per_token_quant  # noqa: E402
 from pd_cluster.models.fp8 import quantize_weight  # noqa: E402
 
 TILES = [(32, 256), (32, 512), (64, 256), (64, 128), (128, 128), (128, 256), (16, 512)]
+
+
+def layer_shapes(cfg: dict, tp: int) -> dict:
+    """A decoder layer's GEMMs (N, K) on one of `tp` ranks: column-parallel qkv and gate_up,
+    row-parallel o and down."""
+    hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    inter = cfg["intermediate_size"]
+    return {"qkv": ((heads + 2 * kv) * head_dim // tp, hidden),
+            "o": (hidden, heads * head_dim // tp),
+            "gate_up": (2 * inter // tp, hidden), "down": (hidden, inter // tp)}
 
 
 def quant(x, w):
@@ -76,8 +88,14 @@ def main() -> None:
                     "launcher's); those above M are skipped")
     ap.add_argument("--tiles", default=None, help="BLOCK_N x BLOCK_K pairs, e.g. 64x128,128x128 "
                     "(default: TILES)")
+    ap.add_argument("--model", default=None, help="a bench/models.py shape whose decoder "
+                    "layer's GEMMs replace the 8B ones (with --tp: one rank's share)")
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.model:
+        SHAPES.clear()
+        SHAPES.update(layer_shapes(MODEL_SHAPES[args.model], args.tp))
     ints = lambda text: tuple(map(int, text.split(",")))  # noqa: E731
     if args.tiles:
         TILES[:] = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]

@@ -27,7 +27,8 @@ later launch, after this one has finished.
 
 Shapes: x [n] (or [T, hidden] for `push_all_reduce_rms_norm`), bf16 or fp16, n <= slot_elems,
 the same on every rank. References: kernels/peer_all_reduce.py `all_reduce_ref` and
-`add_rms_norm_ref`. A peer that never pushes makes a program give up after `max_spins` polls
+`add_rms_norm_ref`. Both kernels take part in programmatic dependent launch (kernels/pdl.py),
+as the RMSNorm they replace does. A peer that never pushes makes a program give up after `max_spins` polls
 and set failed[0] = 1 (the output is garbage; the caller must fail).
 """
 from __future__ import annotations
@@ -37,10 +38,12 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_quant import FP8
+from kernels.pdl import pdl_args, wait_for_inputs
 from kernels.peer_all_reduce import BLOCK, PROGRAMS, _in_half, _region
 from kernels.rmsnorm import store_normalized_row
 
 EMPTY_BITS = -32768         # 0x8000 as int16: -0.0 in bf16 and fp16
+_EMPTY = tl.constexpr(EMPTY_BITS)
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -48,7 +51,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 def _sendable(x):
     """x with -0.0 sent as +0.0 (-0.0 marks an empty slot)."""
     bits = x.to(tl.int16, bitcast=True)
-    return tl.where(bits == EMPTY_BITS, 0, bits).to(x.dtype, bitcast=True)
+    return tl.where(bits == _EMPTY, 0, bits).to(x.dtype, bitcast=True)
 
 
 @triton.jit
@@ -63,16 +66,16 @@ def _take(slot, offs, m, max_spins, failed):
     """Wait until the peer's data fills slot[offs] (m: the live lanes); return it and leave
     the slot empty."""
     v = tl.load(slot + offs, mask=m, other=0.0, volatile=True)
-    waiting = tl.sum(((v.to(tl.int16, bitcast=True) == EMPTY_BITS) & m).to(tl.int32), axis=0)
+    waiting = tl.sum(((v.to(tl.int16, bitcast=True) == _EMPTY) & m).to(tl.int32), axis=0)
     spins = 0
     while (waiting > 0) & (spins < max_spins):
         v = tl.load(slot + offs, mask=m, other=0.0, volatile=True)
-        waiting = tl.sum(((v.to(tl.int16, bitcast=True) == EMPTY_BITS) & m).to(tl.int32),
+        waiting = tl.sum(((v.to(tl.int16, bitcast=True) == _EMPTY) & m).to(tl.int32),
                          axis=0)
         spins += 1
     if waiting > 0:
         tl.store(failed, 1)
-    empty = tl.full(offs.shape, EMPTY_BITS, tl.int16).to(v.dtype, bitcast=True)
+    empty = tl.full(offs.shape, _EMPTY, tl.int16).to(v.dtype, bitcast=True)
     tl.store(slot + offs, empty, mask=m)
     return v
 
@@ -100,7 +103,9 @@ def _push(x, push_ptrs, rank, parity, slot_elems, X, offs, m, WORLD: tl.constexp
 
 @triton.jit
 def _push_kernel(X, Out, n, slot_elems, push_ptrs, counters, failed, rank, max_spins,
-                 WORLD: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+                 WORLD: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     p = tl.program_id(0)
     epoch = tl.load(counters + p) + 1
     parity = epoch % 2
@@ -123,7 +128,9 @@ def _push_kernel(X, Out, n, slot_elems, push_ptrs, counters, failed, rank, max_s
 def _push_rms_norm_kernel(X, Residual, ResidualOut, Weight, Out, Scale, eps, rows,
                           slot_elems, push_ptrs, counters, failed, rank, max_spins,
                           HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                          WORLD: tl.constexpr, PROGRAMS: tl.constexpr, QUANT: tl.constexpr):
+                          WORLD: tl.constexpr, PROGRAMS: tl.constexpr, QUANT: tl.constexpr,
+                          PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     p = tl.program_id(0)
     epoch = tl.load(counters + p) + 1
     parity = epoch % 2
@@ -154,7 +161,7 @@ def push_all_reduce(x: torch.Tensor, out: torch.Tensor, slot_elems: int, rank: i
     assert x.dtype in DTYPES and x.is_contiguous() and out.is_contiguous() and n <= slot_elems
     _push_kernel[(min(PROGRAMS, triton.cdiv(n, BLOCK)),)](
         x, out, n, slot_elems, push_ptrs, counters, failed, rank, max_spins, WORLD=world,
-        BLOCK=BLOCK, PROGRAMS=PROGRAMS, num_warps=8)
+        BLOCK=BLOCK, PROGRAMS=PROGRAMS, num_warps=8, **pdl_args(x.device))
     return out
 
 
@@ -176,5 +183,5 @@ def push_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: to
         x, residual, residual_out, weight, out, weight if scale is None else scale, eps, rows,
         slot_elems, push_ptrs, counters, failed, rank, max_spins, HIDDEN=hidden, BLOCK=block,
         ALIGN=hidden & -hidden, WORLD=world, PROGRAMS=PROGRAMS, QUANT=quantize,
-        num_warps=min(max(block // 256, 4), 16))
+        num_warps=min(max(block // 256, 4), 16), **pdl_args(x.device))
     return (out if scale is None else (out, scale)), residual_out
