@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import FP8, quantize_row
+from kernels.fp8_math import FP8
+from kernels.fp8_quant import quantize_row
 from kernels.pdl import pdl_args, wait_for_inputs
 
 BLOCK = 1024

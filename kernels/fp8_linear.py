@@ -27,10 +27,10 @@ import functools
 import torch
 import triton
 
+from kernels.fp8_math import FP8
 from kernels.linear import _linear_kernel
 from kernels.pdl import pdl_args
 
-FP8 = torch.float8_e4m3fn
 # The largest batch this kernel takes (`takes` says which shapes); above it the GEMMs turn
 # compute-bound, and cuBLAS's tensor-core pipelines win.
 MAX_ROWS = 256

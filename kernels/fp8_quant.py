@@ -11,9 +11,9 @@ zeros (or of tiny values) from dividing by zero; vLLM clamps the same way.
 One program per row. A row of up to ONE_PASS_MAX elements is loaded once, whole (a decode
 batch has few rows, so each program's latency is the kernel's); a longer one is read twice,
 BLOCK at a time: a pass for its amax, then one to divide and cast. Both divisions are IEEE-
-rounded (tl.div_rn), so xq and scale are bit for bit those of `per_token_quant_ref`. Triton
-casts to e4m3 (float8e4nv) on sm89+ GPUs only; the callers (pd_cluster/models/fp8.py) use
-torch elsewhere.
+rounded (tl.div_rn), so xq and scale are bit for bit those of torch's `per_token_quant_ref`
+(kernels/fp8_math.py, which also holds the constants). Triton casts to e4m3 (float8e4nv) on
+sm89+ GPUs only; the callers (pd_cluster/models/fp8.py) use torch elsewhere.
 """
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8_math
+from kernels.fp8_math import FP8
 from kernels.pdl import pdl_args, wait_for_inputs
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+FP8_MAX = tl.constexpr(fp8_math.FP8_MAX)        # the kernels' copies, as Triton reads them
+MIN_SCALE = tl.constexpr(fp8_math.MIN_SCALE)
 ONE_PASS_MAX = 16384        # longest row loaded whole (Llama-3-8B's MLP rows: 14336)
 BLOCK = 8192                # the two-pass loop's chunk (16 warps)
 
@@ -34,14 +35,13 @@ BLOCK = 8192                # the two-pass loop's chunk (16 warps)
 def quantize_row(x):
     """One whole row x [BLOCK] float32 (masked lanes 0) -> (xq [BLOCK] e4m3, scale): the
     kernel below's one-pass math, for kernels that quantize the row they produce."""
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1.0 / (448.0 * 512.0))
-    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     return q.to(tl.float8e4nv), scale
 
 
 @triton.jit
-def _per_token_quant_kernel(X, XQ, Scale, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
-                            MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+def _per_token_quant_kernel(X, XQ, Scale, K, stride_x, stride_q, BLOCK: tl.constexpr,
                             ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -83,18 +83,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         one_pass = k <= ONE_PASS_MAX
         block = triton.next_power_of_2(max(k, 1)) if one_pass else BLOCK
         _per_token_quant_kernel[(t,)](x, xq, scale, k, x.stride(0), xq.stride(0),
-                                      FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block,
-                                      ONE_PASS=one_pass,
+                                      BLOCK=block, ONE_PASS=one_pass,
                                       num_warps=min(16, max(4, block // 1024)),
                                       **pdl_args(x.device))
     return xq, scale
-
-
-def per_token_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's result computed by torch (float32 math, round to nearest even)."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    # A tensor divisor: CUDA torch multiplies by the reciprocal of a Python-number divisor,
-    # which is not IEEE division (the kernel's).
-    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale

@@ -15,48 +15,31 @@ the scales are applied once per program by the callers: K's folded into `qk_scal
 and softmax stay fp32), V's multiplied into the finished output (`load_kv_scales`), unless
 the output is itself fp8 (`finish_output`: the FP8 o projection's input, with V's scale as
 its per-token scale, so no quantization kernel runs between attention and that GEMM).
-Measured on an H100 (bf16 q, 32 heads, 8 KV heads, head_dim 128, block 16): decode over fp8
-KV took 339 / 293 / 184 us against bf16's 364 / 372 / 190 us at 64 x 4096, 256 x 1024 and
-8 x 16384 tokens of context: half the bytes, but not half the time (bf16 already ran at
-~2.9 TB/s; widening the tiles costs). Tried and slower on an H100 (64 x 1024 and 256 x 1024,
-2026-11-25): the scores as (k @ q.T).T, so the widened K tile is wgmma's register operand
-(1.84 against 1.92 TB/s, 2.19 against 2.34).
+Reading fp8 KV halves the bytes a decode streams but not its time: widening the tiles costs
+instructions, so the fp8 paths below are shaped to spend as few of them as they can.
 
 Where V is widened matters. Left to Triton, `.to(float16)` of the V tile is moved past the
 shared-memory copy that turns it into the P @ V dot's B operand, and fp8 bytes are then read
 from shared memory one or two at a time and permuted (V's rows run along head_dim, the
 dot's reduction runs along tokens; ldmatrix can transpose 16-bit values only). Widening in
 the load's own layout (`widen_e4m3` with PTX, an instruction Triton does not move) stores
-fp16 to shared memory and reads it back with ldmatrix, as a 16-bit cache does: decode over
-fp8 KV 5-13 % faster on an H200 (64-256 x 1024; bench/decode_fp8_variants.py, `v_asm`).
-Tried on the same kernel and not faster (H100, 2026-11-25): scores on FP8 tensor cores (q
-quantized per head, K as wgmma's M operand: level with widening, and q's rounding costs
-accuracy), the whole loop transposed so both dots run on wgmma (level: the tensor cores are not
-the limit), P @ V on FP8 tensor cores (p scaled to e4m3: 1.7x slower, V transposed in
-registers), K and V both widened by PTX (slower: K's operand is better left to Triton), a
-register double buffer of the next tile (slower: fewer programs fit). Nor (H200, 2026-11-26): K
-and V loaded as int32 words and widened four e4m3 at a time (a third fewer instructions per
-tile, yet 1.2-1.5x slower), pages laid out head-major, pages of up to 1024 tokens
-(bench/results/README.md). Nor (H200, 2026-11-26): V's pages stored transposed, so V reaches
-P @ V as K reaches q @ K^T with no float16 round trip through shared memory (slower at 5 of 6
-shapes: bench/decode_fp8_vt.py), or a register cap on one-warp programs (level or slower).
-The same kernel read a bf16 cache at 3.4-4.4 TB/s and an fp8 one at 2.2-3.3. Nsight Compute
-(bench/results/attn_ncu_h200.json): the one-warp fp8 programs were latency-bound, 8 per SM at
-220 registers a thread, no warp ready 68 % of cycles with DRAM 55 % busy. The cause was one
-K/V tile in flight per program: Triton gives a load whose address comes from another load
-(the page table) a second shared-memory buffer only from num_stages 5. With 5 the one-warp
-programs read 3.2-4.0 TB/s as a decode step runs them (kernels/decode_attention.py
-ONE_WARP_STAGES; bench/results/attn_diag_chain_h200.json).
-
-One-warp decode programs compute transposed (`attend_paged_range_t`): the query group as the
-dots' N dimension halves their MMAs and accumulator, 4-14 % off on an H200. Over V pages
-stored transposed as well (no float16 copy of V in shared memory) they were slower: an fp8
-page's head_dim rows are 16 bytes (bench/decode_fp8_t.py --vt).
-
+fp16 to shared memory and reads it back with ldmatrix, as a 16-bit cache does. K's tile is
+left to Triton: widening it by PTX as well made the kernel slower.
 V is widened four e4m3 per inline-asm call, from the 32-bit register that holds them: with two
-per call Triton rebuilt each pair from single bytes (a PRMT, a shift and an OR per value).
-That, masks on the ragged last tile only and the lazy rescale (`attend_paged_range` LAZY) cut
-the one-warp loop from 1029 to 711 SASS instructions a tile, and the kernel's time 2-4 %.
+per call Triton rebuilds each pair from single bytes (a PRMT, a shift and an OR per value).
+
+One-warp fp8 decode programs are latency-bound, not bandwidth-bound: with one K/V tile in
+flight each waits on its loads. Triton gives a load whose address comes from another load
+(the page table) a second shared-memory buffer only from num_stages 5, hence
+kernels/decode_attention.py ONE_WARP_STAGES. They also compute transposed
+(`attend_paged_range_t`): the query group as the dots' N dimension halves their MMAs and
+accumulator. Masks on the ragged last tile only and the lazy rescale (`attend_paged_range`
+LAZY) keep the loop short.
+
+The designs measured and not kept (FP8 tensor cores for either dot, the whole loop on wgmma,
+K widened by PTX too, V pages stored transposed, int32-word loads, head-major or larger pages,
+a register double buffer) and the figures behind every choice here are logged in
+bench/results/README.md.
 """
 from __future__ import annotations
 
@@ -66,7 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)   # the largest finite float8_e4m3fn: stores saturate to it
+from kernels import fp8_math
+
+FP8_MAX = tl.constexpr(fp8_math.FP8_MAX)    # stores and fp8 outputs saturate to it
 LAZY_LOG2 = tl.constexpr(8.0)   # `attend_paged_range` LAZY: rescale once a max grows 256x
 
 

@@ -12,13 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-FP8_MAX = 448.0     # the largest finite float8_e4m3fn
-
-
-def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """x / scale in float8_e4m3fn, saturated to +-448 (round to nearest even)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+from kernels.fp8_math import quantize
 
 
 def dequantize_ref(cache: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Tensor:
@@ -27,7 +21,7 @@ def dequantize_ref(cache: torch.Tensor, scale: torch.Tensor | float | None) -> t
 
 
 def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale) -> torch.Tensor:
-    return quantize_fp8_ref(x, scale) if scale is not None else x.to(cache.dtype)
+    return quantize(x, scale) if scale is not None else x.to(cache.dtype)
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

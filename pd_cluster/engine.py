@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import os
 import time
@@ -17,26 +16,13 @@ from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from pd_cluster.spec_decode.decoder import SpecStats
 from pd_cluster.spec_decode.engine_hooks import build_spec_decoder
+from pd_cluster.startup_heap import freeze_startup_heap
 from pd_cluster.step_totals import StepWork, new_totals
 from pd_cluster.structured.constraint import GrammarConstraint
 from pd_cluster.structured.matcher import GrammarState, GrammarVocabulary
 from pd_cluster.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now (the model's modules and parameters, compiled kernels,
-    tokenizer tables: hundreds of thousands of them) out of the garbage collector's reach, as
-    vLLM does after start-up. Otherwise each full collection walks them all while the host
-    should be launching the next step: one measured on an H200 held the GPU idle for 124 ms in
-    the middle of a batch-128 decode (bench/profile_decode.py `longest_gaps_ms`; none with
-    the collector off), a 6 ms/step average over 20 steps and a TPOT spike when serving.
-    Objects made later (requests, outputs) are still collected as usual. GPU engines only:
-    a serving process holds its one engine for life, while the CPU tests build hundreds in
-    one process, whose frozen cycles would never be collected."""
-    gc.collect()
-    gc.freeze()
 
 
 class LLMEngine:
@@ -53,7 +39,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, self.model_cfg)
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
         # Before the target's runner: on a GPU the draft model's share comes off the top.
-        self.spec = build_spec_decoder(config, self) if config.speculative else None
+        self.spec = (build_spec_decoder(config, self.max_model_len, self.model_cfg.vocab_size)
+                     if config.speculative else None)
         self.runner = ModelRunner(config, model_dir, self.model_cfg, self.max_model_len,
                                   os.path.basename(os.path.normpath(model_dir)))
         if self.tokenizer is not None:

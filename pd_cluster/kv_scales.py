@@ -2,8 +2,8 @@
 each layer's attention gets its own.
 
 The cache is float8_e4m3fn. Each layer has one float32 K scale and one V scale; a stored
-value means fp8 * scale (stores write x / scale saturated to +-448, FP8_MAX). Scales are,
-per layer:
+value means fp8 * scale (stores write x / scale saturated to +-448: kernels/fp8_math.py
+`quantize`). Scales are, per layer:
   - the checkpoint's, when it has them (the loader sets `model.kv_scales`: per layer a
     (k_scale, v_scale) pair, or None where a layer has none);
   - else calibrated at load (`calibrate`): one forward pass of a fixed synthetic prompt
@@ -29,9 +29,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0              # the largest finite e4m3 value: stores saturate to it
+from kernels.fp8_math import FP8_MAX
+from pd_cluster import distributed as dist
+from pd_cluster.attention.base import AttentionMetadata
+from pd_cluster.attention.torch_backend import TorchAttentionBackend
+from pd_cluster.forward_context import ForwardContext
+
 CALIBRATION_TOKENS = 256
 # Calibration runs one synthetic prompt; served prompts can go past its amax. Twice the
 # calibrated amax fits before a store saturates: e4m3's relative precision is the same at
@@ -44,11 +49,6 @@ CALIBRATION_HEADROOM = 2.0
 SCALE_FLOOR = 2.0 ** -10
 
 LayerScales = tuple[tuple[float, float], ...]    # per layer: (K scale, V scale)
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """x / scale as float8_e4m3fn, saturated to +-FP8_MAX (round to nearest even)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def pow2_scale(amax: float, headroom: float = CALIBRATION_HEADROOM,
@@ -75,11 +75,6 @@ def calibrate(model: Any, vocab_size: int, num_layers: int, num_kv_heads: int, h
     """Per-layer (K, V) power-of-two scales from one forward of the synthetic prompt (module
     docstring). Every tensor-parallel rank calls it (the forward's collectives need them all);
     all return the same scales."""
-    from pd_cluster import distributed as dist
-    from pd_cluster.attention.base import AttentionMetadata
-    from pd_cluster.attention.torch_backend import TorchAttentionBackend
-    from pd_cluster.forward_context import ForwardContext
-
     n = max(1, min(CALIBRATION_TOKENS, max_tokens))
     blocks = -(-n // block_size)
     cache = torch.zeros((num_layers, 2, blocks, block_size, num_kv_heads, head_dim),
@@ -98,7 +93,6 @@ def calibrate(model: Any, vocab_size: int, num_layers: int, num_kv_heads: int, h
     amax = cache.abs().amax(dim=(2, 3, 4, 5)).float().cpu()     # [num_layers, 2]
     del cache
     if dist.get_tp().size > 1:
-        import torch.distributed as tdist
         tdist.all_reduce(amax, op=tdist.ReduceOp.MAX, group=dist.get_tp().cpu_group)
     return tuple((pow2_scale(float(k)), pow2_scale(float(v))) for k, v in amax.tolist())
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kernels.fp8_math import FP8
 from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
 from pd_cluster.attention.torch_backend import TorchAttentionBackend
 from pd_cluster import distributed as dist
@@ -31,7 +32,7 @@ from pd_cluster.config import EngineConfig, ModelConfig
 from pd_cluster.cuda_graphs import DecodeGraphs
 from pd_cluster.forward_context import ForwardContext
 from pd_cluster.kv_layout import KVLayout
-from pd_cluster.kv_scales import FP8_DTYPE, ScaledKVBackend, calibrate, kv_scales_for
+from pd_cluster.kv_scales import ScaledKVBackend, calibrate, kv_scales_for
 from pd_cluster.models import ops
 from pd_cluster.models.loader import load_model
 from pd_cluster.request import PENDING_TOKEN, Request
@@ -40,6 +41,7 @@ from pd_cluster.scheduler import SchedulerOutput
 from pd_cluster.spec_decode.verify import SpecRow, verify
 from pd_cluster.step_channel import StepChannel, StepInputs
 from pd_cluster.structured.constraint import GrammarConstraint
+from pd_cluster.tp_workers import RankWorkers, backend_for
 from pd_cluster.upload import upload, upload_many
 
 SampledTokens = dict[str, tuple[int, dict[int, float] | None]]
@@ -125,7 +127,7 @@ class ModelRunner:
         # KV cache dtype: the model's, or fp8 with per-layer scales (pd_cluster/kv_scales.py).
         self.kv_dtype, self.kv_scales = self.dtype, ()
         if config.kv_cache_dtype == "fp8":
-            self.kv_dtype = FP8_DTYPE
+            self.kv_dtype = FP8
             self.kv_scales = kv_scales_for(self.model, lambda: self._calibrate(max_model_len),
                                            model_cfg.num_layers)
         blocks = kv_sizing.num_blocks(config, model_cfg, self.num_kv_heads, self.kv_dtype,
@@ -204,13 +206,12 @@ class ModelRunner:
         return self._kv_shards
 
     def _start_ranks(self, runner_args: tuple) -> None:
-        """Rank 0: start ranks 1..N-1 and join their group (pd_cluster/tp_workers.py)."""
-        from pd_cluster.tp_workers import RankWorkers, backend_for
-
+        """Rank 0: start ranks 1..N-1, each building a ModelRunner of its own, and join their
+        group (pd_cluster/tp_workers.py)."""
         dist.check_tp(self.model_cfg, self.tp_size)
         dist.check_no_group()
         self.channel = StepChannel.create(self.tp_size - 1)
-        self.workers = RankWorkers(self.tp_size, runner_args, self.channel.file.path)
+        self.workers = RankWorkers(self.tp_size, ModelRunner, runner_args, self.channel.file.path)
         self.workers.start()
         try:
             dist.init_tp(0, self.tp_size, self.workers.init_method,

@@ -13,12 +13,15 @@ pd_cluster/models/). Per step (ModelRunner.execute on rank 0, ModelRunner.follow
     channel.send(None)                   ───────► leaves the loop, exits (shutdown)
 
 Lifecycle: `RankWorkers.start` spawns the N-1 processes ('spawn': no forked CUDA context or
-threads); each joins the group and builds its ModelRunner while rank 0 joins and builds its own
+threads); each joins the group and builds its runner while rank 0 joins and builds its own
 (the rendezvous and the KV cache sizing are collectives, so all ranks must get there, within
-`timeout_s`). `close` tells the workers to exit and reaps them. A rank that dies breaks the next
-collective on the others (the transport reports the closed peer, at the latest the group's
-timeout): rank 0's step raises and the engine fails its requests, never hangs; a worker whose
-parent died exits (it checks every second).
+`timeout_s`). `close` tells the workers to exit and reaps them. A rank that dies breaks the
+next collective on the others (the transport reports the closed peer, at the latest the
+group's timeout): rank 0's step raises and the engine fails its requests, never hangs; a
+worker whose parent died exits (it checks every second).
+
+The runner's class is rank 0's to hand in (`make_runner`): this module only supervises the
+processes, and the runner, which starts them, imports it, never the reverse.
 
 The children run `_worker_main` alone: they do not re-run the script that built the engine
 (multiprocessing's 'spawn' would import it again as `__mp_main__`, so a script without an
@@ -34,9 +37,14 @@ import sys
 import threading
 import time
 import types
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
+import torch
 import torch.multiprocessing as mp
+
+from pd_cluster.distributed import destroy_tp, init_tp
+from pd_cluster.startup_heap import freeze_startup_heap
+from pd_cluster.step_channel import GPU_SPIN_S, StepChannel
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +64,26 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-class RankWorkers:
-    """The child processes of ranks 1..size-1; rank 0 (the caller) joins with `init_method`."""
+class RankRunner(Protocol):
+    """What a rank's process builds: its KV cache (handed to rank 0) and the step loop."""
 
-    def __init__(self, size: int, runner_args: tuple, channel_path: str,
-                 timeout_s: float = GROUP_TIMEOUT_S):
+    kv_cache: torch.Tensor
+
+    def follow(self, channel: StepChannel) -> None: ...
+
+
+class RankWorkers:
+    """The child processes of ranks 1..size-1; rank 0 (the caller) joins with `init_method`.
+
+    Each child builds `make_runner(*runner_args, rank=rank)`: `make_runner` travels to it
+    pickled by reference, so it must be a module-level class or function (a child imports its
+    module, never the parent's script), and runner_args[0] is the engine's EngineConfig (its
+    `torch_device(rank)` is the rank's device)."""
+
+    def __init__(self, size: int, make_runner: Callable[..., RankRunner], runner_args: tuple,
+                 channel_path: str, timeout_s: float = GROUP_TIMEOUT_S):
         self.size, self.runner_args, self.timeout_s = size, runner_args, timeout_s
+        self.make_runner = make_runner
         self.channel_path = channel_path
         self.init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.procs: list[Any] = []
@@ -73,8 +95,8 @@ class RankWorkers:
         for rank in range(1, self.size):
             proc = ctx.Process(target=_worker_main, name=f"pd-tp-rank-{rank}", daemon=True,
                                args=(rank, self.size, self.init_method, self.timeout_s,
-                                     os.getpid(), self.runner_args, self._kv_queue,
-                                     self.channel_path))
+                                     os.getpid(), self.make_runner, self.runner_args,
+                                     self._kv_queue, self.channel_path))
             with _main_module_hidden():
                 proc.start()
             self.procs.append(proc)
@@ -115,7 +137,8 @@ class RankWorkers:
 @contextlib.contextmanager
 def _main_module_hidden() -> Iterator[None]:
     """While a child is spawned: a `__main__` without a file or spec, so the child does not
-    import the parent's script (it needs nothing from it: its target lives here)."""
+    import the parent's script (it needs nothing from it: its target lives here, and
+    `make_runner` in the module that defines it)."""
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
@@ -125,17 +148,11 @@ def _main_module_hidden() -> Iterator[None]:
 
 
 def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, parent: int,
-                 runner_args: tuple, kv_queue: Any, channel_path: str) -> None:
+                 make_runner: Callable[..., RankRunner], runner_args: tuple, kv_queue: Any,
+                 channel_path: str) -> None:
     """A rank's process: join the group, build the model runner, hand rank 0 its KV cache,
     mirror rank 0's steps."""
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    import torch
-
-    from pd_cluster.distributed import destroy_tp, init_tp
-    from pd_cluster.engine import freeze_startup_heap
-    from pd_cluster.model_runner import ModelRunner
-    from pd_cluster.step_channel import GPU_SPIN_S, StepChannel
-
     config = runner_args[0]
     device = config.torch_device(rank)
     channel = StepChannel.attach(channel_path, size - 1,     # before rank 0 unlinks it
@@ -144,7 +161,7 @@ def _worker_main(rank: int, size: int, init_method: str, timeout_s: float, paren
         torch.cuda.set_device(device)       # NCCL binds the rank to the current device
     init_tp(rank, size, init_method, backend_for(device.type), timeout_s)
     try:
-        runner = ModelRunner(*runner_args, rank=rank)
+        runner = make_runner(*runner_args, rank=rank)
         kv_queue.put((rank, runner.kv_cache))
         if device.type == "cuda":
             freeze_startup_heap()   # as rank 0 does: no collection walks the model mid-step

@@ -14,11 +14,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.fp8_math import FP8  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.reference import decode_attention_ref, paged_attention_ref  # noqa: E402
 from pd_cluster.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pd_cluster.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from pd_cluster.kv_scales import FP8_DTYPE  # noqa: E402
 from pd_cluster.models.fp8 import Fp8Activation, fp8_linear, quantize_weight  # noqa: E402
 from pd_cluster.models.layers import RotaryEmbedding  # noqa: E402
 from test_fp8_kv import (ATTN_TOL, DEVICE, DTYPE, KV_SCALE, V_SCALE, fp8_caches,  # noqa: E402
@@ -47,7 +47,7 @@ def test_decode_kernel_writes_fp8_output_in_v_units(num_splits):
     _, (k8, v8), table = fp8_caches(seq_lens, 16, kv_heads, head_dim)
     q = torch.randn(len(seq_lens), heads, head_dim, dtype=DTYPE, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=DEVICE)
+    out8 = torch.empty(q.shape, dtype=FP8, device=DEVICE)
     decode_attention(q, k8, v8, table, lens, head_dim ** -0.5, max(seq_lens), out=out8,
                      block_n=16, num_splits=num_splits, kv_scale=KV_SCALE)
     assert_v_units(out8, decode_attention_ref(q, k8, v8, table, lens, head_dim ** -0.5,
@@ -63,7 +63,7 @@ def test_prefill_kernel_writes_fp8_output_in_v_units():
     starts = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), heads, head_dim, dtype=DTYPE, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=DEVICE)
+    out8 = torch.empty(q.shape, dtype=FP8, device=DEVICE)
     prefill_attention(q, k8, v8, table, lens, starts, max(q_lens), head_dim ** -0.5, out=out8,
                       block_m=16, block_n=16, kv_scale=KV_SCALE)
     assert_v_units(out8, paged_attention_ref(q, k8, v8, table, lens, starts, head_dim ** -0.5,
@@ -76,7 +76,7 @@ def test_an_fp8_output_without_an_fp8_cache_is_refused():
     lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
     with pytest.raises(AssertionError, match="fp8 output"):
         decode_attention(q, k, v, table, lens, 0.125, 5,
-                         out=torch.empty(q.shape, dtype=FP8_DTYPE, device=DEVICE))
+                         out=torch.empty(q.shape, dtype=FP8, device=DEVICE))
 
 
 @pytest.mark.parametrize("cached,new", [([40, 7, 100, 0, 33], [1, 1, 1, 21, 9])])
@@ -101,7 +101,7 @@ def test_backends_hand_the_fp8_o_projection_its_input_in_v_units(cached, new):
                                                   meta, head_dim ** -0.5, KV_SCALE, fp8_out)
     for name in ("torch", "triton"):
         act = outs[name, True]
-        assert act.xq.dtype == FP8_DTYPE and act.xq.shape == (tokens, heads * head_dim)
+        assert act.xq.dtype == FP8 and act.xq.shape == (tokens, heads * head_dim)
         assert act.dtype == DTYPE and torch.all(act.scale == V_SCALE)
         assert act.scale.shape == (tokens, 1)
         assert_v_units(act.xq, outs[name, False].reshape(tokens, -1))

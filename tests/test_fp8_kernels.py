@@ -19,10 +19,10 @@ import torch  # noqa: E402
 
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.fp8_linear import fp8_linear_small, fp8_linear_small_ref, takes, tiles  # noqa: E402
-from kernels.fp8_quant import ONE_PASS_MAX, per_token_quant, per_token_quant_ref  # noqa: E402
+from kernels.fp8_math import FP8, MIN_SCALE, per_token_quant_ref  # noqa: E402
+from kernels.fp8_quant import ONE_PASS_MAX, per_token_quant  # noqa: E402
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from pd_cluster.models import fp8, ops  # noqa: E402
-from pd_cluster.models.fp8 import FP8, MIN_SCALE  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 MIN_SCALE_F32 = float(np.float32(MIN_SCALE))     # as a float32 tensor holds it
@@ -196,7 +196,7 @@ def test_rms_norm_quantized_in_its_kernel_equals_norm_then_quant(dtype, with_res
         xq, scale = rms_norm(x, weight, 1e-6, quantize=True)
         out = rms_norm(x, weight, 1e-6)
     ref_q, ref_scale = per_token_quant_ref(out)
-    assert xq.dtype == fp8.FP8 and same_bytes(xq, ref_q) and torch.equal(scale, ref_scale)
+    assert xq.dtype == FP8 and same_bytes(xq, ref_q) and torch.equal(scale, ref_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

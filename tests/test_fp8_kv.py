@@ -34,17 +34,17 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.fp8_math import FP8, quantize  # noqa: E402
 from kernels.paged import widen_e4m3  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
-from kernels.reference import (decode_attention_ref, paged_attention_ref, quantize_fp8_ref,  # noqa: E402
-                               rope_ref, store_kv_ref)
+from kernels.reference import (decode_attention_ref, paged_attention_ref, rope_ref,  # noqa: E402
+                               store_kv_ref)
 from kernels.rope import build_cos_sin_cache, rope_store_kv  # noqa: E402
 from kv_support import model_kv, paged_kv, tiny_layout  # noqa: E402
 from pd_cluster import LLM, SamplingParams  # noqa: E402
 from pd_cluster.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pd_cluster.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from pd_cluster.kv_scales import (FP8_DTYPE, ScaledKVBackend, calibration_ids,  # noqa: E402
-                                  pow2_scale)
+from pd_cluster.kv_scales import ScaledKVBackend, calibration_ids, pow2_scale  # noqa: E402
 from pd_cluster.models.layers import RotaryEmbedding  # noqa: E402
 from test_kernels_attention import paged_kv as random_paged_kv  # noqa: E402
 from test_kernels_triton_backend import build_batch  # noqa: E402
@@ -65,7 +65,7 @@ KV_SCALE = torch.tensor([K_SCALE, V_SCALE], dtype=torch.float32, device=DEVICE)
 
 
 def quantized(cache: torch.Tensor, scale: float) -> torch.Tensor:
-    return quantize_fp8_ref(cache, scale)
+    return quantize(cache, scale)
 
 
 def assert_fp8_close(got: torch.Tensor, want: torch.Tensor, scale: float,
@@ -93,7 +93,7 @@ def test_store_writes_value_over_scale_saturated_and_skips_padding():
     positions = torch.randint(0, 64, (tokens,), device=DEVICE)
     slots = torch.randperm(3 * bs, device=DEVICE)[:tokens]
     slots[5] = -1
-    k_cache, v_cache = (torch.zeros(3, bs, kv_heads, head_dim, device=DEVICE, dtype=FP8_DTYPE)
+    k_cache, v_cache = (torch.zeros(3, bs, kv_heads, head_dim, device=DEVICE, dtype=FP8)
                         for _ in range(2))
     ref_q, _ = rope_ref(q, k, positions, cos_sin)
     # The kernel quantizes its fp32 rotation: so does the reference (rope_ref rounds to the
@@ -147,7 +147,7 @@ def _widen_kernel(X, Out, PTX: tl.constexpr):
 
 @pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=pytest.mark.gpu)])
 def test_widening_gives_every_e4m3_value_exactly(ptx):
-    every = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE).view(16, 16)
+    every = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(FP8).view(16, 16)
     out = torch.empty(16, 16, dtype=torch.float16, device=DEVICE)
     _widen_kernel[(1,)](every, out, PTX=ptx)
     finite = ~every.float().isnan()     # e4m3's two NaNs: a cache never holds them (stores
@@ -208,7 +208,7 @@ def test_backends_store_and_attend_fp8_alike(cached, new):
     q = torch.randn(tokens, heads, head_dim, dtype=DTYPE, device=DEVICE)
     k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=DTYPE, device=DEVICE)
             for _ in range(2))
-    kv = torch.zeros(layers, 2, num_blocks, bs, kv_heads, head_dim, dtype=FP8_DTYPE,
+    kv = torch.zeros(layers, 2, num_blocks, bs, kv_heads, head_dim, dtype=FP8,
                      device=DEVICE)
     kv[:, :, :, :] = quantized(torch.randn(kv.shape, device=DEVICE), 1.0)
     ref_kv = kv.clone()
@@ -264,7 +264,7 @@ def test_calibration_is_deterministic_and_gives_powers_of_two(tiny, fp8_llm):
     assert layout.dtype == "float8_e4m3fn" and layout.kv_scales == runner.kv_scales
     assert len(runner.kv_scales) == 2
     assert all(math.frexp(s)[0] == 0.5 for pair in runner.kv_scales for s in pair)
-    assert runner.kv_cache.dtype == FP8_DTYPE and runner.kv_cache.element_size() == 1
+    assert runner.kv_cache.dtype == FP8 and runner.kv_cache.element_size() == 1
     assert runner.kv_scale_tensor.tolist() == [list(p) for p in runner.kv_scales]
     again = LLM(tiny, kv_cache_dtype="fp8", num_kv_blocks=8, max_model_len=200)
     assert again.engine.kv_layout.kv_scales == layout.kv_scales

@@ -24,13 +24,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from kernels.fp8_math import FP8  # noqa: E402
 from pd_cluster.attention.base import AttentionMetadata  # noqa: E402
 from pd_cluster.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pd_cluster.config import EngineConfig, ModelConfig  # noqa: E402
 from pd_cluster.forward_context import ForwardContext  # noqa: E402
 from pd_cluster.kv_layout import KVLayout  # noqa: E402
 from pd_cluster.models import fp8  # noqa: E402
-from pd_cluster.models.fp8 import FP8  # noqa: E402
 from pd_cluster.models.loader import load_model  # noqa: E402
 from tiny_models import make_tiny_model, mixed_prompts  # noqa: E402
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8_math import FP8, quantize, saturate
 from pd_cluster.attention.base import AttentionMetadata
-from pd_cluster.kv_scales import quantize
-from pd_cluster.models.fp8 import FP8, FP8_MAX, Fp8Activation
+from pd_cluster.models.fp8 import Fp8Activation
 
 
 def _stored(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -66,7 +66,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        out[start:end] = o.clamp(-FP8_MAX, FP8_MAX).to(FP8) if fp8_out else o.to(q.dtype)
+        out[start:end] = saturate(o) if fp8_out else o.to(q.dtype)
     return out
 
 

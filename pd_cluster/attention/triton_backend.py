@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from kernels.decode_attention import decode_attention
+from kernels.fp8_math import FP8
 from kernels.prefill_attention import prefill_attention
 from kernels.rope import rope_store_kv
 from pd_cluster.attention.base import AttentionMetadata
-from pd_cluster.models.fp8 import FP8, Fp8Activation
+from pd_cluster.models.fp8 import Fp8Activation
 
 
 class TritonAttentionBackend:

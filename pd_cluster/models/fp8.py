@@ -33,9 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0                         # e4m3's largest finite value
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)     # a row of zeros gets this scale (vLLM's floor)
+from kernels.fp8_math import FP8_MAX, MIN_SCALE, per_token_quant_ref, quantize
 
 
 def quantize_weight(w: torch.Tensor, scale: torch.Tensor | None = None
@@ -46,7 +44,7 @@ def quantize_weight(w: torch.Tensor, scale: torch.Tensor | None = None
     its columns of w with the scales of the whole rows, so that its w8 is exactly its slice
     of the unsplit layer's."""
     scale = row_scales(w) if scale is None else scale.float()
-    return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return quantize(w, scale[:, None]), scale
 
 
 def row_scales(w: torch.Tensor) -> torch.Tensor:
@@ -61,13 +59,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kernel = _quant_kernel()
         if kernel is not None:
             return kernel(x)
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    # Divided by a tensor: CUDA torch multiplies by the reciprocal of a Python-number divisor
-    # (not IEEE division, which the kernel does). full_like, not torch.tensor: no host copy,
-    # so a CUDA graph can capture it.
-    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return per_token_quant_ref(x)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from kernels.fp8_math import FP8
 from pd_cluster.config import ModelConfig
 from pd_cluster.distributed import check_tp, get_tp
 from pd_cluster.forward_context import ForwardContext
-from pd_cluster.models.fp8 import FP8, Fp8Activation
+from pd_cluster.models.fp8 import Fp8Activation
 from pd_cluster.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pd_cluster.models.parallel import (ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, default_weight_loader)

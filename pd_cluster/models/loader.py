@@ -8,8 +8,8 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from kernels.fp8_math import FP8
 from pd_cluster.config import ModelConfig
-from pd_cluster.models.fp8 import FP8
 from pd_cluster.models.llama import LlamaForCausalLM
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8_math import FP8
 from pd_cluster.distributed import all_gather, all_reduce, get_tp, kv_head_shard
 from pd_cluster.models import fp8, ops
 
@@ -122,7 +123,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = local
         self.fp8 = _is_fp8(quantization)
         self.weight = _parameter((local, in_features), (full, in_features), self.weight_loader,
-                                 fp8.FP8 if self.fp8 else None)
+                                 FP8 if self.fp8 else None)
         self.weight_scale = _parameter((local,), (full,), self.weight_loader,
                                        torch.float32) if self.fp8 else None
         self.bias = _parameter((local,), (full,), self.weight_loader) if bias else None
@@ -157,7 +158,7 @@ class ColumnParallelLinear(nn.Module):
                              f"{(full,) + tuple(param.shape[1:])}")
         offset = sum(p[2] for p in self.pieces[:i])
         piece = loaded.narrow(0, start, rows)
-        if param is self.weight and self.fp8 and piece.dtype != fp8.FP8:
+        if param is self.weight and self.fp8 and piece.dtype != FP8:
             w8, scale = fp8.quantize_weight(piece.to(param.device))
             param.narrow(0, offset, rows).copy_(w8)
             self.weight_scale.narrow(0, offset, rows).copy_(scale)
@@ -230,7 +231,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.in_local = in_features, _split(in_features, tp.size)
         self.fp8 = _is_fp8(quantization)
         self.weight = _parameter((out_features, self.in_local), (out_features, in_features),
-                                 self.weight_loader, fp8.FP8 if self.fp8 else None)
+                                 self.weight_loader, FP8 if self.fp8 else None)
         self.weight_scale = _parameter((out_features,), (out_features,), self.weight_loader,
                                        torch.float32) if self.fp8 else None
         self.bias = _parameter((out_features,), (out_features,)) if bias else None
@@ -242,7 +243,7 @@ class RowParallelLinear(nn.Module):
             return
         _check_fits(param, loaded, (param.shape[0], self.in_features))
         columns = (1, self.tp_rank * self.in_local, self.in_local)   # this rank's: narrow()
-        if param is self.weight and self.fp8 and loaded.dtype != fp8.FP8:
+        if param is self.weight and self.fp8 and loaded.dtype != FP8:
             # Quantized with the whole rows' scales (module docstring).
             full = loaded.to(param.device)
             w8, scale = fp8.quantize_weight(full.narrow(*columns), fp8.row_scales(full))
