@@ -61,7 +61,7 @@ def time_norms(peer, rank: int, world: int, shape: tuple[int, int], calls: int) 
     common = (x, residual, weight, 1e-5, False)
     return {"rows": rows, "hidden": hidden,
             "push_us": time_graph(lambda: peer._push.push_all_reduce_rms_norm(
-                *common, peer.push_bytes // 2, rank, world, peer.push_ptrs, peer.counters,
+                *common, peer.push_bytes // 2, rank, world, peer.push_ptrs, peer.push_counters,
                 peer.failed), calls),
             "barrier_us": time_graph(lambda: peer._kernels.peer_all_reduce_rms_norm(
                 *common, peer.max_bytes // 2, rank, world, peer.sig_ptrs, peer.norm_ptrs,
@@ -91,7 +91,7 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], calls: int, ou
         if pushes:
             got = inputs[rank].clone()
             peer._push.push_all_reduce(got, got, peer.push_bytes // 2, rank, world,
-                                       peer.push_ptrs, peer.counters, peer.failed)
+                                       peer.push_ptrs, peer.push_counters, peer.failed)
             row["push_exact"] = bool(torch.equal(got, expected))
         for two_shot in (False, True):
             got = inputs[rank].clone()
@@ -112,7 +112,7 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], calls: int, ou
                     peer.red_ptrs, peer.counters, peer.failed, two_shot), calls)
         if pushes:
             row["push_us"] = time_graph(lambda: peer._push.push_all_reduce(
-                x, x, peer.push_bytes // 2, rank, world, peer.push_ptrs, peer.counters,
+                x, x, peer.push_bytes // 2, rank, world, peer.push_ptrs, peer.push_counters,
                 peer.failed), calls)
         row["nccl_us"] = time_graph(lambda: dist.all_reduce(x), calls)
         row["nccl_over_peer"] = row["nccl_us"] / row["peer_us"]

@@ -16,20 +16,25 @@ Each rank owns a region of 16-bit elements, empty everywhere at start (`EMPTY_BI
 
 and the caller passes `push_ptrs` int64 [WORLD], the ranks' regions as mapped in its own
 process. Program p owns chunks c with c % PROGRAMS == p (rows r % PROGRAMS == p for the fused
-norm) and keeps its own call count in `counters[p]` (on the device, so CUDA graphs replay
-it); a call's parity is that count's. A program pushes its chunks to every peer, then for each
-peer polls its own slot until no element of the chunk is empty, sums the ranks in rank order
-(fp32, so every rank gets the same bits), and empties the slot again.
+norm). A program pushes its chunks to every peer, then for each peer polls its own slot until
+no element of the chunk is empty, sums the ranks in rank order (fp32, so every rank gets the
+same bits), and empties the slot again.
 
-Why emptying right after reading is safe: a peer writes slot [q] again only in its call two
-calls later, which needs this rank's data of the next call, which this rank pushes only in a
-later launch, after this one has finished.
+A call's parity is its count of push calls, kept on the device (`counters` int64 [PROGRAMS],
+this rank's; CUDA graphs replay it): every program of every push call runs, work or none, and
+advances its own copy, so all programs agree on it. (The two kernels split the slots
+differently, chunks against rows, so one address belongs to different programs from call to
+call; a parity of the call, not of the program, keeps the argument below true.)
+
+Why emptying right after reading is safe: a peer writes parity q again only in its push call
+two calls later; it gets there only after finishing the call between, which needed this
+rank's data of that call, which this rank pushed in a later launch, after this one finished.
 
 Shapes: x [n] (or [T, hidden] for `push_all_reduce_rms_norm`), bf16 or fp16, n <= slot_elems,
 the same on every rank. References: kernels/peer_all_reduce.py `all_reduce_ref` and
 `add_rms_norm_ref`. Both kernels take part in programmatic dependent launch (kernels/pdl.py),
-as the RMSNorm they replace does. A peer that never pushes makes a program give up after `max_spins` polls
-and set failed[0] = 1 (the output is garbage; the caller must fail).
+as the RMSNorm they replace does. A peer that never pushes makes a program give up after
+`max_spins` polls and set failed[0] = 1 (the output is garbage; the caller must fail).
 """
 from __future__ import annotations
 
@@ -159,7 +164,7 @@ def push_all_reduce(x: torch.Tensor, out: torch.Tensor, slot_elems: int, rank: i
     """out <- the sum over the ranks of x (x may be out)."""
     n = x.numel()
     assert x.dtype in DTYPES and x.is_contiguous() and out.is_contiguous() and n <= slot_elems
-    _push_kernel[(min(PROGRAMS, triton.cdiv(n, BLOCK)),)](
+    _push_kernel[(PROGRAMS,)](
         x, out, n, slot_elems, push_ptrs, counters, failed, rank, max_spins, WORLD=world,
         BLOCK=BLOCK, PROGRAMS=PROGRAMS, num_warps=8, **pdl_args(x.device))
     return out
@@ -179,7 +184,7 @@ def push_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: to
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
     residual_out = torch.empty_like(x)
     block = triton.next_power_of_2(hidden)
-    _push_rms_norm_kernel[(min(PROGRAMS, rows),)](
+    _push_rms_norm_kernel[(PROGRAMS,)](
         x, residual, residual_out, weight, out, weight if scale is None else scale, eps, rows,
         slot_elems, push_ptrs, counters, failed, rank, max_spins, HIDDEN=hidden, BLOCK=block,
         ALIGN=hidden & -hidden, WORLD=world, PROGRAMS=PROGRAMS, QUANT=quantize,

@@ -73,6 +73,7 @@ class PeerAllReduce:
         self.norm_ptrs = table(k.SIGNAL_BYTES + data + max_bytes)    # the fused kernel's
         self.push_ptrs = table(k.SIGNAL_BYTES + 2 * data + max_bytes)
         self.counters = torch.zeros(k.PROGRAMS, dtype=torch.int64, device=device)
+        self.push_counters = torch.zeros(k.PROGRAMS, dtype=torch.int64, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
         self.max_spins = MAX_SPINS
 
@@ -113,7 +114,7 @@ class PeerAllReduce:
         if self._pushes(x):
             return self._push.push_all_reduce(
                 x, x, self.push_bytes // 2, self.rank, self.world, self.push_ptrs,
-                self.counters, self.failed, self.max_spins)
+                self.push_counters, self.failed, self.max_spins)
         two_shot = self.world > 2 and x.numel() * x.element_size() > ONE_SHOT_MAX_BYTES
         return self._kernels.peer_all_reduce(
             x, x, self.max_bytes // x.element_size(), self.rank, self.world, self.sig_ptrs,
@@ -137,7 +138,7 @@ class PeerAllReduce:
         if self._pushes(x):
             return self._push.push_all_reduce_rms_norm(
                 x, residual, weight, eps, quantize, self.push_bytes // 2, self.rank,
-                self.world, self.push_ptrs, self.counters, self.failed, self.max_spins)
+                self.world, self.push_ptrs, self.push_counters, self.failed, self.max_spins)
         return self._kernels.peer_all_reduce_rms_norm(
             x, residual, weight, eps, quantize, self.max_bytes // x.element_size(), self.rank,
             self.world, self.sig_ptrs, self.norm_ptrs, self.counters, self.failed,

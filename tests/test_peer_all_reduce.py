@@ -8,7 +8,8 @@ parity halves, the two-shot's owners) is what runs.
   messages go by push (kernels/peer_push_all_reduce.py), interleaved with the others, and
   inputs full of -0.0 (the push's empty mark) are summed, not waited for; the all-reduce
   fused with the residual add and RMSNorm gives the residual exactly and the norm as its
-  torch reference does, by push and by barrier, interleaved with the plain ones.
+  torch reference does, by push and by barrier, interleaved with the plain ones; every push
+  program counts every push call (the parity is the call's, whatever the sizes).
 - A rank whose peer never arrives stops waiting after its spin budget and reports the peer
   lost, instead of hanging: by barrier (fp32) and by push (fp16).
 - GPU (2 or more, NVLink): the same run in bf16 over CUDA IPC, bit for bit.
@@ -84,6 +85,8 @@ def _rank(rank: int, world: int, port: int, calls: list, out, lose_peer: bool,
             if not (torch.equal(res, res_ref) and torch.allclose(got.float(), out_ref.float(),
                                                                  rtol=2e-3, atol=1e-5)):
                 wrong.append(("norm", rows, str(dtype)))
+        if len(set(peer.push_counters.tolist())) != 1:
+            wrong.append("push programs disagree on the call's parity")
         out.put((rank, wrong, peer.peer_lost()))
     dist.barrier()
     peer.close()
