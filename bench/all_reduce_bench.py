@@ -1,6 +1,6 @@
 """The tensor-parallel all-reduce at decode sizes: the peer-memory kernels against NCCL.
 
-    python bench/all_reduce_bench.py [--world 2] [--sizes 64k,512k,1m,2m,4m,8m] [--calls 64]
+    python -m bench.all_reduce_bench [--world 2] [--sizes 64k,512k,1m,2m,4m,8m] [--calls 64]
 
 One process per GPU. For each message size (bf16): every rank's result is checked against the
 sum of all ranks' inputs added in fp32 in rank order (bit for bit) and against NCCL's, then
@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import queue
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pd_cluster.tp_workers import free_tcp_port  # noqa: E402
+from pd_cluster.tp_workers import free_tcp_port
 
 UNITS = {"k": 1 << 10, "m": 1 << 20}
 

@@ -1,7 +1,7 @@
 """Paged decode attention over a bf16 cache against an fp8 one, same shapes (Llama-3.1-8B
 attention: 32 query heads, 8 KV heads, head_dim 128, block 16); prints one JSON object.
 
-    PYTHONPATH=. python bench/decode_kv_dtypes.py [--cases 64x2048,128x2048] [--sweep]
+    python -m bench.decode_kv_dtypes [--cases 64x2048,128x2048] [--sweep]
 
 Times are medians of triton.testing.do_bench; GB/s counts the K and V bytes the batch reads.
 """
@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.decode_attention import decode_attention
 
 
 def case(batch: int, context: int, fp8: bool, **knobs) -> dict:

@@ -1,6 +1,6 @@
 """Single-GPU engine speed: decode step vs roofline, prefill tok/s, offline throughput.
 
-    python bench/engine_bench.py [--only decode,prefill,offline] [--hf-offline] [--sync]
+    python -m bench.engine_bench [--only decode,prefill,offline] [--hf-offline] [--sync]
         [--batches 64,128,256] [--contexts 1024,2048] [--quantization fp8]
         [--kv-cache-dtype fp8]
 
@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from bench.models import LLAMA_31_8B, dummy_model_dir, kv_bytes_per_token, params_bytes  # noqa: E402
-from pd_cluster import LLM, SamplingParams  # noqa: E402
+from bench.models import LLAMA_31_8B, dummy_model_dir, kv_bytes_per_token, params_bytes
+from pd_cluster import LLM, SamplingParams
 
 
 def copy_bandwidth() -> float:

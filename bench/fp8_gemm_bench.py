@@ -1,7 +1,7 @@
 """The decode step's FP8 weight GEMMs on this GPU: per-token quant + cuBLAS `_scaled_mm` (the
 path above kernels/fp8_linear.MAX_ROWS) against kernels/fp8_linear.py's W8A8 tiles.
 
-    python bench/fp8_gemm_bench.py [--batches 32,64,128] [--shapes o,down] [--warps 4,8]
+    python -m bench.fp8_gemm_bench [--batches 32,64,128] [--shapes o,down] [--warps 4,8]
         [--stages 3,4] [--block-m 0,128] [--tiles 64x128,128x128] [--out FILE]
 
 (Split-K, K's tiles spread over several programs per output tile, was measured with this
@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gemm_bench import CALLS, SHAPES, time_graph  # noqa: E402
-from bench.models import SHAPES as MODEL_SHAPES  # noqa: E402
-from kernels.fp8_linear import fp8_linear_small  # noqa: E402
-from kernels.fp8_quant import per_token_quant  # noqa: E402
-from pd_cluster.models.fp8 import quantize_weight  # noqa: E402
+from bench.gemm_bench import CALLS, SHAPES, time_graph
+from bench.models import SHAPES as MODEL_SHAPES
+from kernels.fp8_linear import fp8_linear_small
+from kernels.fp8_quant import per_token_quant
+from pd_cluster.models.fp8 import quantize_weight
 
 TILES = [(32, 256), (32, 512), (64, 256), (64, 128), (128, 128), (128, 256), (16, 512)]
 

@@ -1,6 +1,6 @@
 """The decode step's weight GEMMs on this GPU: cuBLAS (torch) against kernels/linear.py.
 
-    python bench/gemm_bench.py [--batches 64,128,256] [--out FILE]
+    python -m bench.gemm_bench [--batches 64,128,256] [--out FILE]
 
 Llama-3.1-8B shapes (qkv, o, gate_up, down, lm_head), bf16. Each variant is captured in a
 CUDA graph of several calls that cycle through copies of the weight (more bytes than L2
@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.linear import linear  # noqa: E402
+from kernels.linear import linear
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}

@@ -4,7 +4,7 @@ per backend: CPU seconds per wall second of the actor's process, and of all of t
 processes (its GCS, raylet, workers: the ray backend's mailbox actor among them) with the
 actor and, just before, without it; each over --window seconds.
 
-    python bench/idle_cpu.py [--backends ray,ucx,nixl] [--window 5]
+    python -m bench.idle_cpu [--backends ray,ucx,nixl] [--window 5]
 
 Runs on the CPU (a local Ray of its own). Prints JSON.
 """
@@ -13,14 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import psutil
 import ray
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @ray.remote(num_cpus=0)

@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton attention kernels; prints one JSON document.
 
-    PYTHONPATH=. python bench/kernels_bench.py [--sweep] [--out results.json]
+    python -m bench.kernels_bench [--sweep] [--out results.json]
 
 Decode: batch 64, context 4096, Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim
 128, bf16), per KV block size. Effective bandwidth = bytes of K+V the batch must read / kernel
@@ -21,11 +21,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without PYTHONPATH
 
-from kernels.decode_attention import decode_attention  # noqa: E402
-from kernels.prefill_attention import prefill_attention  # noqa: E402
-from kernels.reference import decode_attention_ref, paged_attention_ref  # noqa: E402
+from kernels.decode_attention import decode_attention
+from kernels.prefill_attention import prefill_attention
+from kernels.reference import decode_attention_ref, paged_attention_ref
 
 DECODE_SWEEP = {"block_n": [32, 64, 128], "num_splits": [None, 1, 2, 4, 8], "num_warps": [4, 8],
                 "num_stages": [2, 3, 4]}

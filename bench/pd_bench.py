@@ -1,6 +1,6 @@
 """Disaggregated (1 P + 1 D) against colocated (1 engine), same engine, through the actors.
 
-    python bench/pd_bench.py --transport nixl [--prompt-len 2048] [--batch 128]
+    python -m bench.pd_bench --transport nixl [--prompt-len 2048] [--batch 128]
 
 Needs two GPUs (one per actor) for the disaggregated half. Prints one JSON object:
 - TTFT of a single prompt at low load (fresh random prompt each time, so no prefix hits),
@@ -15,19 +15,16 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.models import dummy_model_dir  # noqa: E402
-from pd_cluster.config import ModelConfig  # noqa: E402
-from pd_cluster.sampling_params import SamplingParams  # noqa: E402
-from router.app import start_client  # noqa: E402
-from router.app_config import AppConfig  # noqa: E402
-from router.routing import Route  # noqa: E402
+from bench.models import dummy_model_dir
+from pd_cluster.config import ModelConfig
+from pd_cluster.sampling_params import SamplingParams
+from router.app import start_client
+from router.app_config import AppConfig
+from router.routing import Route
 
 rng = random.Random(0)
 VOCAB = [128256]  # set from the model in main()

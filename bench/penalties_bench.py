@@ -2,7 +2,7 @@
 against none, one engine, same batch and contexts (pd_cluster/penalties.py rebuilds each
 penalized row's token counts every step: its cost grows with the rows' tokens).
 
-    PYTHONPATH=. python bench/penalties_bench.py [--batch 64] [--contexts 1024,4096]
+    python -m bench.penalties_bench [--batch 64] [--contexts 1024,4096]
         [--steps 50] [--model DIR]
 
 Default model: the Llama-3.1-8B shape, dummy weights, bf16 (--model: a checkpoint directory
@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from bench.engine_bench import start_decoding  # noqa: E402
-from bench.models import dummy_model_dir  # noqa: E402
-from pd_cluster import LLM  # noqa: E402
+from bench.engine_bench import start_decoding
+from bench.models import dummy_model_dir
+from pd_cluster import LLM
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
 

@@ -2,8 +2,8 @@
 prompt's blocks, and pooled-mode TTFT against push-mode (disaggregated) TTFT in the same run,
 with P and D sharing the GPU and the pool on the same node. Prints one JSON object.
 
-    python3 bench/pool_bench.py --out bench/results/pool_bench_h200.json   # GPU: 2048 tokens, 8B
-    python3 bench/pool_bench.py --cpu --tokens 256 --reps 2   # a CPU smoke run, tiny model
+    python3 -m bench.pool_bench --out bench/results/pool_bench_h200.json   # GPU: 2048 tokens, 8B
+    python3 -m bench.pool_bench --cpu --tokens 256 --reps 2   # a CPU smoke run, tiny model
 
 Bandwidth: the pool is a DistributedKVCache actor (another process) with its shared segment;
 this process maps it (pinned) and holds an engine-shaped KV cache on the device: each
@@ -20,26 +20,24 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from actors.kv_pool import node_id, start_pool  # noqa: E402
-from actors.pool_client import BlockingPoolClient  # noqa: E402
-from actors.pool_index import prompt_keys  # noqa: E402
-from actors.pool_shm import SharedSegment, copy_blocks  # noqa: E402
-from bench.models import SHAPES, dummy_model_dir  # noqa: E402
-from bench import pd_bench  # noqa: E402
-from pd_cluster.config import ModelConfig  # noqa: E402
-from pd_cluster.kv_layout import KVLayout  # noqa: E402
-from router.app import start_client  # noqa: E402
-from router.app_config import AppConfig  # noqa: E402
-from router.routing import Route  # noqa: E402
-from transfer.registry import make_transport  # noqa: E402
+from actors.kv_pool import node_id, start_pool
+from actors.pool_client import BlockingPoolClient
+from actors.pool_index import prompt_keys
+from actors.pool_shm import SharedSegment, copy_blocks
+from bench.models import SHAPES, dummy_model_dir
+from bench import pd_bench
+from pd_cluster.config import ModelConfig
+from pd_cluster.kv_layout import KVLayout
+from router.app import start_client
+from router.app_config import AppConfig
+from router.routing import Route
+from transfer.registry import make_transport
 
 
 def layout_of(shape: str, tokens: int, block_size: int) -> KVLayout:

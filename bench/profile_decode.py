@@ -1,6 +1,6 @@
 """Where a decode step's time goes on GPU: wall time vs GPU kernel time, and top kernels.
 
-    python bench/profile_decode.py [--batch 64[,128,...]] [--context 1024] [--quantization fp8]
+    python -m bench.profile_decode [--batch 64[,128,...]] [--context 1024] [--quantization fp8]
         [--kv-cache-dtype fp8]
 
 Prints JSON: per-step wall ms, per-step CUDA kernel ms (sum of kernel durations), the host
@@ -13,16 +13,13 @@ import argparse
 import gc
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.models import dummy_model_dir  # noqa: E402
-from pd_cluster import LLM, SamplingParams  # noqa: E402
+from bench.models import dummy_model_dir
+from pd_cluster import LLM, SamplingParams
 
 
 def main() -> None:

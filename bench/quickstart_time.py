@@ -1,6 +1,6 @@
 """Time the README's first Quickstart command as a new user meets it, and print JSON.
 
-    python bench/quickstart_time.py [--port 8000] [--timeout-s 1800]
+    python -m bench.quickstart_time [--port 8000] [--timeout-s 1800]
 
 Clones this repository's HEAD into an empty temporary directory, makes a fresh virtualenv
 there, and runs the first command of the README's Quickstart in the clone exactly as written

@@ -1,7 +1,7 @@
 """Router overhead: the HTTP round trip of a 1-token completion vs the same engine replicas
 called directly, interleaved on one deployment; prints JSON (and writes it with -o).
 
-    python bench/router_overhead.py [--config configs/pd.yaml] [--requests 200]
+    python -m bench.router_overhead [--config configs/pd.yaml] [--requests 200]
         [--set mode=colocated] [--set engine.dtype=bfloat16] [--max-seconds 170]
         [--ingress haproxy|proxy] [--http-port PORT] [-o out.json]
 
@@ -38,7 +38,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,18 +47,17 @@ import ray
 import yaml
 from ray import serve
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.harness.serving_runs import set_args
+from bench.serving_bench import APP, borrow_client, free_port, ingress_env
+from pd_cluster.request import FinishReason
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.tokenizer import load_tokenizer
+from router.app import build_app
+from router.app_config import AppConfig
+from router.control.model import model_dir
+from router.routing import RoutingInputs, make_policy
 
-from bench.serving_bench import APP, borrow_client, free_port, ingress_env  # noqa: E402
-from pd_cluster.benchmark.serving_runs import set_args  # noqa: E402
-from pd_cluster.request import FinishReason  # noqa: E402
-from pd_cluster.sampling_params import SamplingParams  # noqa: E402
-from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
-from router.app import build_app  # noqa: E402
-from router.app_config import AppConfig  # noqa: E402
-from router.control.model import model_dir  # noqa: E402
-from router.routing import RoutingInputs, make_policy  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = "The capital of France is"
 PATHS = ("http", "direct", "health", "ping")

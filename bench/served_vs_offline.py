@@ -3,21 +3,21 @@ C at a time, through HTTP (HAProxy → router replica → engine actor), then th
 inside the engine actor itself (`StreamingEngine.run_offline`: no HTTP, no router, no Ray
 stream); prints JSON (and writes it with -o).
 
-    python bench/served_vs_offline.py [--set KEY=YAML ...] [--router-replicas N]
+    python -m bench.served_vs_offline [--set KEY=YAML ...] [--router-replicas N]
         [--requests 256] [--concurrency 128] [--prompt-len 512] [--max-tokens 256]
         [--warmup-requests 8] [--rounds 1] [-o out.json]
 
 The app is configs/pd.yaml's with `--set` overrides (mode colocated unless --set mode=...),
-served on a private local Ray with HAProxy ingress (router/serving_bench.py `serving`, as
+served on a private local Ray with HAProxy ingress (bench/serving_bench.py `serving`, as
 bench/serving_sweep.py). On a GPU machine, with the 8B-shaped dummy model of the other
 benches (bench/serving_sweep.py's docstring says how $M is made):
 
-    python3 bench/served_vs_offline.py --set engine.model=$M --set engine.load_format=dummy \\
+    python3 -m bench.served_vs_offline --set engine.model=$M --set engine.load_format=dummy \\
         --set engine.dtype=bfloat16 --set engine.max_model_len=4096 --rounds 3 -o FILE
 
 A CPU smoke run with the bundled model (SmolLM2-135M):
 
-    python bench/served_vs_offline.py --requests 16 --concurrency 4 --prompt-len 32 \\
+    python -m bench.served_vs_offline --requests 16 --concurrency 4 --prompt-len 32 \\
         --max-tokens 16 --warmup-requests 2
 
 Each round runs the served phase (warm-up requests, then the measured closed loop through
@@ -25,8 +25,8 @@ HTTP with aiohttp, SSE parsed by hand) and the offline phase (warm-up, then the 
 closed loop in the engine actor; with several colocated engines, on all of them at once,
 prompts and concurrency split evenly), served first in even rounds and offline first in odd
 ones; every phase sends the same prompts opened by a token of its own, so the prefix cache
-helps none (pd_cluster/benchmark/served_offline.py). The engine actors come from
-`engine_actors` (router/serving_bench.py: the EngineController's membership, or the router
+helps none (bench/harness/served_offline.py). The engine actors come from
+`engine_actors` (bench/serving_bench.py: the EngineController's membership, or the router
 replica's client before the controller existed). During each
 measured phase the CPU use of the router replica(s), the engine actor(s), HAProxy, Serve's
 proxy actor and controller and this client is sampled (psutil), and the engine's step
@@ -51,19 +51,18 @@ from typing import Any
 import ray
 from ray import serve
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.serving_bench import APP, engine_actors, serving  # noqa: E402
-from pd_cluster.benchmark.served_offline import (  # noqa: E402
+from bench.harness.served_offline import (
     DEFINITIONS, CpuMeter, Record, completion_body, haproxy_pids, machine, phase_tokens,
     pooled, random_prompts, served_phase, summarize, with_first_token)
-from pd_cluster.benchmark.serving_runs import app_args  # noqa: E402
-from pd_cluster.config import ModelConfig  # noqa: E402
-from pd_cluster.sampling_params import SamplingParams  # noqa: E402
-from pd_cluster.tokenizer import load_tokenizer  # noqa: E402
-from router.app_config import AppConfig  # noqa: E402
-from router.control.model import model_dir, replica_engine  # noqa: E402
+from bench.harness.serving_runs import app_args
+from bench.serving_bench import APP, engine_actors, serving
+from pd_cluster.config import ModelConfig
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.tokenizer import load_tokenizer
+from router.app_config import AppConfig
+from router.control.model import model_dir, replica_engine
+
+ROOT = Path(__file__).resolve().parents[1]
 
 COLOCATED = ["mode=colocated", "num_prefill=0"]
 

@@ -1,7 +1,7 @@
 """The serving benchmarks' Ray side: serve a configuration on a private local Ray (HAProxy
 ingress as shipped, on free ports) and read the engine actors' own stamps through the router
-replica's client. `LocalRayHarness` hands these to pd_cluster/benchmark/sweep.py, which holds
-the benchmarks themselves (`bench/serving_sweep.py` is their command line: `main` here).
+replica's client. `LocalRayHarness` hands these to bench/harness/sweep.py, which holds the
+benchmarks themselves (`python -m bench.serving_sweep` is their command line: `main` here).
 
 Also what any test or benchmark that starts its own Serve app needs: `free_port`,
 `haproxy_wanted`, `ingress_env` (tests/serve_run.py, bench/router_overhead.py),
@@ -24,9 +24,9 @@ from typing import Any
 
 import ray
 
-from pd_cluster.benchmark.diagnostics import actor_stages, timeline, ttft_parts_of
-from pd_cluster.benchmark.serving_runs import get_text
-from pd_cluster.benchmark.sweep import run
+from bench.harness.diagnostics import actor_stages, timeline, ttft_parts_of
+from bench.harness.serving_runs import get_text
+from bench.harness.sweep import run
 from pd_cluster.config import EngineConfig
 from router.app import HAPROXY_INGRESS_ENV
 
@@ -177,7 +177,7 @@ def engine_actors(app: str = APP, role: str = "decode", timeout_s: float = 60.0)
 
 def engine_stages(since: float) -> dict | None:
     """Disaggregated: where the time went inside the first P and D, from their own stamps
-    (bench/disagg_probe.py's stages, all requests of the run); None otherwise or on failure."""
+    (diagnostics.actor_stages, all requests of the run); None otherwise or on failure."""
     try:
         client = borrow_client(30.0)
         if not getattr(client, "prefill", None):
@@ -196,7 +196,7 @@ def engine_stages(since: float) -> dict | None:
 
 def ttft_parts(report: dict, since: float, measured: slice) -> dict | None:
     """Percentiles (ms) of each part of the measured requests' TTFT, their rows, and P's
-    engine steps over the run (pd_cluster/benchmark/diagnostics.py); None when the server
+    engine steps over the run (bench/harness/diagnostics.py); None when the server
     has no prefill actors."""
     try:
         client = borrow_client(30.0)    # a copy, with the router's stamps as of now
@@ -213,7 +213,7 @@ def ttft_parts(report: dict, since: float, measured: slice) -> dict | None:
 # -- the command line -----------------------------------------------------------------------------
 
 class LocalRayHarness:
-    """pd_cluster/benchmark/sweep.py's ServingHarness: each configuration on its own local Ray."""
+    """bench/harness/sweep.py's ServingHarness: each configuration on its own local Ray."""
 
     def serving(self, args: dict, opts: argparse.Namespace):
         return serving(args, opts)
@@ -231,6 +231,6 @@ class LocalRayHarness:
 
 
 def main(argv: Sequence[str] | None, config_path: str | Path) -> int:
-    """`bench/serving_sweep.py`: the benchmarks, each configuration served here from the Serve
+    """`python -m bench.serving_sweep`: the benchmarks, each configuration served here from the Serve
     config `config_path`'s args (configs/pd.yaml) with its `--set` overrides."""
     return run(argv, LocalRayHarness(), config_path)

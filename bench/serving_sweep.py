@@ -8,22 +8,22 @@ as .gpucarry/tok, every run starts with
     export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 \
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 && \
       xz -dkf .gpucarry/tok/tokenizer.json.xz && \
-      M=$(python3 bench/models.py --tokenizer-from .gpucarry/tok) && \
+      M=$(python3 -m bench.models --tokenizer-from .gpucarry/tok) && \
       S="--set engine.model=$M --set engine.load_format=dummy --set engine.dtype=bfloat16 \
          --set engine.max_model_len=4096"
 
 and goes on with one of these (about 8 minutes each):
 
     # 1. prompt-heavy sweep, 1P1D and two colocated engines
-    python3 bench/serving_sweep.py sweep $S --configs disagg:1:1,colo:2 --rates 4,8,12,16,20 \
+    python3 -m bench.serving_sweep sweep $S --configs disagg:1:1,colo:2 --rates 4,8,12,16,20 \
       --input-len 2048 --output-len 256 -o $OUT/prompt_heavy 2>&1 | tee $OUT/prompt_heavy.log
     # 2. balanced sweep
-    python3 bench/serving_sweep.py sweep $S --configs disagg:1:1,colo:2 --rates 3,6,9,12 \
+    python3 -m bench.serving_sweep sweep $S --configs disagg:1:1,colo:2 --rates 3,6,9,12 \
       --input-len 512 --output-len 512 -o $OUT/balanced 2>&1 | tee $OUT/balanced.log
     # 3. tune's recommendation for 2 GPUs at rate R, measured at R (PROFILE from
     #    `python3 -m pd_cluster.cli profile --model $M --dtype bfloat16 -o PROFILE`, one GPU;
     #    the serving overhead is measured first, on the recommended config, and tune rerun)
-    python3 bench/serving_sweep.py validate $S --profile PROFILE --rates R --gpus 2 \
+    python3 -m bench.serving_sweep validate $S --profile PROFILE --rates R --gpus 2 \
       --serving-overhead-lengths 128,512,1024,2048 \
       --input-len 2048 --output-len 256 -o $OUT/validate 2>&1 | tee $OUT/validate.log
 
@@ -43,12 +43,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from bench.serving_bench import main
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.serving_bench import main  # noqa: E402
-
-# The benchmarks themselves are pd_cluster/benchmark/sweep.py (and validate.py); serving each
-# configuration on a local Ray is router/serving_bench.py.
+# The benchmarks themselves are bench/harness/sweep.py (and validate.py); serving each
+# configuration on a local Ray is bench/serving_bench.py.
 if __name__ == "__main__":
     sys.exit(main(None, ROOT / "configs" / "pd.yaml"))

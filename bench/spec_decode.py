@@ -1,7 +1,7 @@
 """Speculative decoding: what it gains at batch 1 and what it costs at batch 64.
 
-    python bench/spec_decode.py [--out bench/results/spec_decode_h200.json]
-    python bench/spec_decode.py --tiny        # CPU smoke run: small shapes, few tokens
+    python -m bench.spec_decode [--out bench/results/spec_decode_h200.json]
+    python -m bench.spec_decode --tiny        # CPU smoke run: small shapes, few tokens
 
 (a) copy: the bundled default model (real weights) asked to repeat a paragraph, batch 1,
     greedy: decode tokens/s without speculation and with ngram at each k of --ks, the
@@ -19,17 +19,15 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from bench.engine_bench import start_decoding  # noqa: E402
-from bench.models import LLAMA_31_8B, dummy_model_dir  # noqa: E402
-from pd_cluster import LLM, SamplingParams  # noqa: E402
-from pd_cluster.spec_decode.decoder import SpecStats  # noqa: E402
+from bench.engine_bench import start_decoding
+from bench.models import LLAMA_31_8B, dummy_model_dir
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.spec_decode.decoder import SpecStats
 
 TEXT = (
     "The river town wakes before the sun. Fishermen check their nets by lantern light, the "

@@ -1,6 +1,6 @@
 """Decode throughput with and without a JSON-schema constraint, in one engine and one run.
 
-    python bench/structured_decode.py [--shape llama-3.1-8b | --tiny] [--batch 64]
+    python -m bench.structured_decode [--shape llama-3.1-8b | --tiny] [--batch 64]
         [--context 512] [--steps 64] [--tokenizer DIR] [--sync]
 
 Each mode keeps `batch` requests decoding (random prompts of `context` tokens, temperature 1 on
@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from bench.models import dummy_model_dir  # noqa: E402
-from pd_cluster import LLM, SamplingParams  # noqa: E402
-from pd_cluster.structured import GrammarSpec  # noqa: E402
+from bench.models import dummy_model_dir
+from pd_cluster import LLM, SamplingParams
+from pd_cluster.structured import GrammarSpec
 
 ITEM = {"type": "object", "additionalProperties": False, "required": ["id", "name", "ok"],
         "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},

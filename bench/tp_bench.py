@@ -1,6 +1,6 @@
 """Tensor parallelism against one GPU, in one run: decode steps, prefill, and where TP's time goes.
 
-    python bench/tp_bench.py [--shape llama-3.1-8b] [--tp 1,2] [--batches 64,128]
+    python -m bench.tp_bench [--shape llama-3.1-8b] [--tp 1,2] [--batches 64,128]
         [--context 1024] [--prefill 8x2048] [--quantization fp8] [--kv-cache-dtype fp8]
 
 Each TP size runs in a process of its own (one after another, GPUs 0..N-1), and the parent
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_bench import copy_bandwidth, decode_steps, prefill, start_decoding
+from bench.models import SHAPES, dummy_model_dir, kv_bytes_per_token, params_bytes
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.engine_bench import copy_bandwidth, decode_steps, prefill, start_decoding  # noqa: E402
-from bench.models import SHAPES, dummy_model_dir, kv_bytes_per_token, params_bytes  # noqa: E402
 
 COLLECTIVE_KERNELS = ("push", "one_shot", "two_shot", "nccl")
 
@@ -138,8 +139,12 @@ def main() -> None:
     runs = []
     for tp in args.tp.split(","):
         argv = [a for a in sys.argv[1:]] + ["--tp-one", tp]
-        done = subprocess.run([sys.executable, __file__, *argv], capture_output=True,
-                              text=True, timeout=1200)
+        # Each size in a process of its own, this module run by name with the repository
+        # root importable however this one was started (`-m` or the file with PYTHONPATH).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        done = subprocess.run([sys.executable, "-m", "bench.tp_bench", *argv], env=env,
+                              capture_output=True, text=True, timeout=1200)
         if done.returncode != 0:
             sys.stderr.write(done.stderr[-4000:])
             raise SystemExit(f"tp={tp} failed ({done.returncode})")

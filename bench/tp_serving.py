@@ -1,9 +1,9 @@
 """Disaggregated serving with tensor-parallel engines, through HTTP: greedy parity and latency.
 
-    python bench/tp_serving.py [--shape llama-3.1-8b] [--configs p2d2,p1d2,colo2]
+    python -m bench.tp_serving [--shape llama-3.1-8b] [--configs p2d2,p1d2,colo2]
         [--rate 2] [-n 40] [--input-len 2048] [--output-len 256] -o OUT.json
 
-Serves each configuration in turn on a private local Ray (router/serving_bench.py `serving`,
+Serves each configuration in turn on a private local Ray (bench/serving_bench.py `serving`,
 configs/pd.yaml's args with the dummy model of `--shape` and a word-level tokenizer of its
 vocabulary, bench/models.py):
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.harness.serving_runs import app_args, bench
+from bench.models import SHAPES, dummy_model_dir, word_tokenizer
+from bench.serving_bench import serving
+from pd_cluster.benchmark.loadgen import make_prompt
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.models import SHAPES, dummy_model_dir, word_tokenizer  # noqa: E402
-from bench.serving_bench import serving  # noqa: E402
-from pd_cluster.benchmark.loadgen import make_prompt  # noqa: E402
-from pd_cluster.benchmark.serving_runs import app_args, bench  # noqa: E402
 
 CONFIGS = {
     "p2d2": {"mode": "disaggregated", "num_prefill": 1, "num_decode": 1,

@@ -1,9 +1,9 @@
 """KV transfer bandwidth between two Ray actors (one GPU each with --devices cuda), and through
 the DistributedKVCache (engine → pinned host pool → engine). Prints one JSON object.
 
-    python3 bench/transfer_bench.py --backend nixl --devices cuda --block-size 16
-    python3 bench/transfer_bench.py --backend nixl --devices cpu --tokens 512 --iters 5
-    python3 bench/transfer_bench.py --post-overhead --devices cpu --kv-heads 1 --head-dim 1
+    python3 -m bench.transfer_bench --backend nixl --devices cuda --block-size 16
+    python3 -m bench.transfer_bench --backend nixl --devices cpu --tokens 512 --iters 5
+    python3 -m bench.transfer_bench --post-overhead --devices cpu --kv-heads 1 --head-dim 1
 
 Model shape defaults to Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16): a 2048-token
 prompt is 256 MiB of KV. GB/s are 1e9 bytes per second of KV moved, timed on the sender from

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pd_cluster.benchmark.sweep import run, summary
-from pd_cluster.benchmark.diagnostics import PARTS, join_parts
-from pd_cluster.benchmark.serving_runs import RECORD_COLUMNS, Deployment, app_args
+from bench.harness.sweep import run, summary
+from bench.harness.diagnostics import PARTS, join_parts
+from bench.harness.serving_runs import RECORD_COLUMNS, Deployment, app_args
 from pd_cluster.tuning.profile import DECODE_FEATURES, PREFILL_FEATURES, LatencyModel, Profile
 from ray_support import environ, stop_shared_ray
 from router.app_config import AppConfig

@@ -1,7 +1,7 @@
-"""Measuring a served configuration for the serving benchmarks (`bench/serving_sweep.py`,
-`router/serving_bench.py`): the app's args with overrides, its /metrics scraped, `pd-cluster
+"""Measuring a served configuration for the serving benchmarks (`python -m bench.serving_sweep`,
+bench/serving_bench.py): the app's args with overrides, its /metrics scraped, `pd-cluster
 bench` run at a rate and its per-request records reduced. No Ray here: serving the app on a
-local Ray is router/serving_bench.py's part."""
+local Ray is bench/serving_bench.py's part."""
 from __future__ import annotations
 
 import argparse

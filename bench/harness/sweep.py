@@ -1,10 +1,10 @@
 """The serving benchmarks through the real HTTP endpoint: `sweep` (goodput against arrival
 rate, per configuration) and `validate` (`pd-cluster tune`'s prediction against `pd-cluster
-bench`, pd_cluster/benchmark/validate.py), with `rejudge` and `chart` for a sweep.json.
-`bench/serving_sweep.py` is the command line (its docstring has the GPU runs' commands).
+bench`, bench/harness/validate.py), with `rejudge` and `chart` for a sweep.json.
+`python -m bench.serving_sweep` is the command line (its docstring has the GPU runs' commands).
 
 Serving a configuration, and reading the engine actors' stamps, take a local Ray: that part
-is a harness (`ServingHarness`, router/serving_bench.py's LocalRayHarness) handed in by the
+is a harness (`ServingHarness`, bench/serving_bench.py's LocalRayHarness) handed in by the
 caller, so nothing here imports Ray.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from pd_cluster.benchmark.serving_runs import (
+from bench.harness.serving_runs import (
     RECORD_COLUMNS, SHUTDOWN_S, Deployment, app_args, bench, compact, kv_capacity, kv_transfer,
     lifetime, point_stats, run_header, scrape, slo_of, wait_idle, warm_up, whole_run,
     write_json)
-from pd_cluster.benchmark.validate import validate
+from bench.harness.validate import validate
 from pd_cluster.config import EngineConfig
 from pd_cluster.tuning.slo import SLO
 
@@ -36,7 +36,7 @@ DESCRIPTION = ("Serving benchmarks through the real HTTP endpoint: `sweep` (good
 
 
 class ServingHarness(Protocol):
-    """What the benchmarks need of a place to serve in (router/serving_bench.py)."""
+    """What the benchmarks need of a place to serve in (bench/serving_bench.py)."""
 
     def serving(self, args: dict, opts: argparse.Namespace) -> AbstractContextManager[str]:
         """The URL of the application built from `args`, stopped on exit."""
@@ -65,7 +65,7 @@ SWEEP_DEFINITIONS = {
                    "A prefill replica times a transfer from the end of the prompt's compute to "
                    "its last write landing (layer-wise writes before that overlap compute): the "
                    "transfer's part of TTFT. share_of_ttft = its mean / the run's mean TTFT",
-    "engine_stages": "disaggregated only: percentiles of bench/disagg_probe.py's stages inside "
+    "engine_stages": "disaggregated only: percentiles of the actors' stages inside "
                      "the first P and D (queue+prefill, destination, transfer, handoff, landing) "
                      "over every request of the run, from the actors' own monotonic stamps",
     "summary": "per config: best goodput per GPU at a rate meeting the SLOs, and the rate where "

@@ -1,7 +1,7 @@
 """Where a served request's time goes, from the engine actors' own stamps: the reductions
-behind the serving benchmarks' diagnostics (`bench/serving_sweep.py`, `bench/disagg_probe.py`).
-The stamps are fetched from the actors by router/serving_bench.py; everything here is plain
-data in, numbers out.
+behind the serving benchmarks' diagnostics (`python -m bench.serving_sweep`). The stamps are
+fetched from the actors by bench/serving_bench.py; everything here is plain data in, numbers
+out.
 
 - `ttft_parts_of`: each measured request's TTFT cut at the router's and the prefill actor's
   own stamps, joined by the server's response id (the attempt id is `<response id>-0`). Every
@@ -9,8 +9,8 @@ data in, numbers out.
 - `replay`: the simulator run on the arrivals and lengths bench actually sent (warm-up and
   cool-down included), so that a prediction and a measurement share one trace and differ
   only by the model, not by which Poisson draw each of them got.
-- `actor_stages`, `timeline`: stage percentiles and P's raw timeline of a run
-  (bench/disagg_probe.py's stages).
+- `actor_stages`, `timeline`: stage percentiles (queue+prefill, destination, transfer,
+  handoff, landing) and P's raw timeline of a run.
 """
 from __future__ import annotations
 

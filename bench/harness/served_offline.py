@@ -1,6 +1,6 @@
-"""Served against offline throughput on the same engine (bench/served_vs_offline.py): the
-workload, the HTTP client, the summaries and the CPU meter. No Ray here: the command line
-serves the app (router/serving_bench.py) and calls the engine actor's `run_offline`.
+"""Served against offline throughput on the same engine (`python -m bench.served_vs_offline`):
+the workload, the HTTP client, the summaries and the CPU meter. No Ray here: the command line
+serves the app (bench/serving_bench.py) and calls the engine actor's `run_offline`.
 
 The workload: N requests, C at a time (closed loop: a new one starts when one finishes),
 prompts of P random token ids (no special ids) sent as token-id prompts to /v1/completions,

@@ -1,5 +1,5 @@
 """`validate`: `pd-cluster tune`'s recommendation at a rate against `pd-cluster bench` at that
-rate, served through a harness (pd_cluster/benchmark/sweep.py; the commands are in
+rate, served through a harness (bench/harness/sweep.py; the commands are in
 bench/serving_sweep.py)."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pd_cluster.benchmark.diagnostics import pcts, replay
-from pd_cluster.benchmark.serving_runs import (
+from bench.harness.diagnostics import pcts, replay
+from bench.harness.serving_runs import (
     Deployment, app_args, bench, compact, kv_capacity, lifetime, point_stats, quantile_name,
     run_header, slo_of, wait_idle, warm_up, whole_run, write_json)
 from pd_cluster.cli import main as pd_cluster
