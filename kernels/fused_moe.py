@@ -1,0 +1,45 @@
+"""A mixture-of-experts layer's experts: each token through the top-k experts its router chose,
+their outputs summed with the router's weights.
+
+    x             [T, H]        hidden states (bf16, fp16 or fp32)
+    w13           [E, 2I, H]    each local expert's gate and up projections, stacked
+                                (gate rows first, as Hugging Face's `gate_up_proj`)
+    w2            [E, H, I]     each local expert's down projection
+    topk_weights  [T, K]        the router's weights for each token's K experts
+    topk_ids      [T, K]        the global ids of those experts (int32 or int64)
+    first_expert  int           the global id of local expert 0: this rank holds experts
+                                first_expert .. first_expert + E - 1 (expert parallelism);
+                                tokens' choices outside that range contribute nothing here
+    out           [T, H]        x's dtype: sum over k of topk_weights[t, k] *
+                                down(silu(gate(x[t])) * up(x[t])) of expert topk_ids[t, k]
+
+Rounding follows transformers' per-expert loop (Qwen3MoeExperts, MixtralExperts): each
+expert's matmuls in the model dtype, the weight applied in the model dtype, and the products
+added into the output in ascending expert order, so greedy decoding matches it token for
+token. Under tensor parallelism each rank holds a slice of every expert's intermediate
+dimension (I / tp) and its output is a partial sum; under expert parallelism it holds whole
+experts (E / ep of them); either way the caller all-reduces.
+
+`fused_moe_ref` is the torch reference every implementation is checked against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  first_expert: int = 0) -> torch.Tensor:
+    """The module docstring's `out`, by a loop over the local experts that tokens chose."""
+    out = torch.zeros_like(x)
+    local = topk_ids.long() - first_expert
+    weights = topk_weights.to(x.dtype)
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        token, slot = torch.where(local == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
