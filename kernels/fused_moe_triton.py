@@ -15,9 +15,11 @@ depends on T, K, E and the tiles alone):
     are dropped there).
  2. gate_up [T*K, 2I] = x[p // K] @ w13[e].T for each pair p: a program owns BLOCK_M sorted
     rows (all of one expert, so one weight tile serves them) and BLOCK_N output columns.
-    Row blocks vary fastest in the grid, so the programs reading one expert's weight tile run
-    together and it is read from memory once.
- 3. kernels/activation.py's silu_and_mul: h [T*K, I] = silu(gate) * up.
+    Row blocks vary fastest in the grid, so that the programs reading one expert's weight
+    tile run together and it comes from memory once.
+ 3. kernels/activation.py's silu_and_mul: h [T*K, I] = silu(gate) * up, over all T*K rows
+    (under expert parallelism most are other ranks' pairs, computed from unwritten memory
+    and never read: wasted, but small beside the GEMMs).
  4. y [T*K, H] = h[p] @ w2[e].T, the same kernel.
  5. out[t] = the sum over t's local slots of y[t*K + k] * topk_weights[t, k]: each product and
     each partial sum rounded to x's dtype, added in ascending expert order, as the reference
@@ -27,8 +29,9 @@ depends on T, K, E and the tiles alone):
 Rounding: every step rounds where the reference does (gate_up, silu, h, y, the weighted
 product and each partial sum in the model dtype); what differs is only the order in which a
 GEMM adds up its float32 products (cuBLAS's against this kernel's), so in bf16 an element of
-gate_up or y can be one bf16 ulp off, and out then differs by about that (a few 1e-3
-relative). Bit-exact agreement is only for fp32 up to float32 rounding.
+gate_up or y can be one bf16 ulp off, and out then differs by about that (expected: a few
+1e-3 relative; unmeasured, the GPU test allows 1e-2). Agreement within float32 rounding is
+for fp32 (the CPU tests: 1e-5 relative).
 
 FP8 experts (W8A8, as the project's dense FP8 layers: pd_cluster/models/fp8.py): x is
 quantized per token (kernels/fp8_quant.py) and h by silu_and_mul itself, each row with one
@@ -38,7 +41,9 @@ weights in the kernel (W8A16) because the existing pieces do all of it and kerne
 measured W8A16 1.3-2.1x slower on a dense GEMM; kernels/fused_moe.py's reference does the same
 quantization.
 
-Tiles (`tiles`) are first guesses, not measured on a GPU (bench/moe_bench.py measures them).
+Unmeasured (written without a GPU): the tiles (`tiles`, first guesses), the speed against
+the bytes it must read, and the cost of moe_align's dozen small torch launches, which a
+Triton sort could replace; bench/moe_bench.py measures them.
 """
 from __future__ import annotations
 
@@ -142,8 +147,9 @@ def _moe_sum_kernel(Y, TopkIds, TopkWeights, Out, first_expert, num_experts, H, 
     local = in_k & (ids >= 0) & (ids < num_experts)
     weights = tl.load(TopkWeights + token * TOP_K + slots, mask=in_k, other=0.0)
     weights = weights.to(Out.dtype.element_ty).to(tl.float32)
-    # A local slot's rank: the local slots added before it (a smaller expert id, or the same
-    # id in an earlier slot), so that they are added in the reference's order.
+    # A local slot's rank: the local slots added before it, those of smaller expert ids, so
+    # that they are added in the reference's order (a tie, which a top-k never makes, goes
+    # by slot: the ranks stay distinct).
     earlier = ((ids[None, :] < ids[:, None])
                | ((ids[None, :] == ids[:, None]) & (slots[None, :] < slots[:, None])))
     rank = tl.sum((earlier & local[None, :]).to(tl.int32), axis=1)
@@ -208,9 +214,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     a, a_scale = h if fp8 else (h, None)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(a, a_scale, w2, w2_scale, y, sorted_ids, expert_ids, 1, down)
+    moe_sum(y, topk_weights, topk_ids, first_expert, experts, out)
+    return out
+
+
+def moe_sum(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            first_expert: int, num_experts: int, out: torch.Tensor) -> None:
+    """out [T, H] = the module docstring's step 5 from y [T*K, H], the slots' down outputs
+    (the rows of slots outside the local range are never read)."""
+    tokens, top_k = topk_ids.shape
+    hidden = out.shape[1]
+    assert y.is_contiguous() and y.shape == (tokens * top_k, hidden) and out.stride(-1) == 1
     block_h = min(SUM_BLOCK, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        y, topk_ids, topk_weights, out, first_expert, experts, hidden, out.stride(0),
+        y, topk_ids, topk_weights, out, first_expert, num_experts, hidden, out.stride(0),
         TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_H=block_h,
-        num_warps=4, **pdl_args(x.device))
-    return out
+        num_warps=4, **pdl_args(out.device))
