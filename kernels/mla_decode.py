@@ -45,11 +45,17 @@ from kernels.decode_attention import (PROGRAMS_PER_SM, _decode_stage2_kernel, _n
 from kernels.paged import LAZY_LOG2, paged_token_offsets
 from kernels.pdl import pdl_args, wait_for_inputs
 
-# Heads per program: the dots' M dimension (tl.dot needs >= 16). With BLOCK_N 32 the fp32
-# accumulator [16, 512] and q [16, 576] take about 100 registers a thread at 4 warps, and a
-# K/V tile of 32 x 576 bf16 (36 KiB) fits three stages of shared memory.
+# Launch defaults, chosen from the sm90 compile (registers by cuobjdump), not yet by timing on
+# a GPU. BLOCK_H: heads per program, the least M that tl.dot takes. A program keeps q for
+# the whole loop in registers, and its 4 warps' mma.sync each hold all of it as an operand
+# ([16, 576] bf16: ~144 registers a thread), beside the fp32 accumulator [16, 512] (64). With
+# 16-token tiles (18 KiB of cache) and two stages that is 196 registers a thread, no spills,
+# 38 KiB of shared memory; 32-token tiles reach 255 registers and spill, as do 32 or 64
+# heads a program (wgmma at 64) with 4 or 8 warps.
 BLOCK_H = 16
-BLOCK_N = 32
+BLOCK_N = 16
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 
 @triton.jit
@@ -156,8 +162,8 @@ def _mla_stage1_kernel(
 
 
 def stage1_meta(num_heads: int, latent: int, rope: int, page_size: int, device: torch.device,
-                block_h: int = BLOCK_H, block_n: int = BLOCK_N, num_warps: int = 4,
-                num_stages: int = 3) -> dict:
+                block_h: int = BLOCK_H, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                num_stages: int = NUM_STAGES) -> dict:
     """The stage-1 kernel's constexprs and launch options for these shapes (also what the
     sm90 compile check in tests/test_kernels_mla.py builds)."""
     return dict(NUM_HEADS=num_heads, LATENT=latent, ROPE=rope, PAGE_SIZE=page_size,
@@ -171,7 +177,7 @@ def mla_decode(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, out: torch.Tensor | None = None,
     num_splits: int | None = None, block_h: int = BLOCK_H, block_n: int = BLOCK_N,
-    num_warps: int = 4, num_stages: int = 3,
+    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Attend each sequence's query heads to its paged latent context (module docstring).
 
