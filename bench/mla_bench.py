@@ -12,8 +12,10 @@ the cache (more bytes than L2 holds, so each call streams its cache from memory,
 step does) and the graph's replays are timed (bench/gemm_bench.py time_graph). Roofline: the
 cache bytes a call must read (B x context x (L + R) x 2) over this machine's measured copy
 rate (bytes read + written per second, bench/engine_bench.py copy_bandwidth), as the engine
-benchmark's roofline. Every configuration's output (its first 4 sequences) is checked
-against the fp32 reference first. `--sweep` also times a grid of the launcher's knobs (SWEEP). Prints JSON.
+benchmark's roofline. At H 128 the 8 programs of a sequence's head blocks each read its
+rows: the roofline assumes L2 serves all but the first. Every configuration's output (its
+first 4 sequences) is checked against the fp32 reference first. `--sweep` also times a grid
+of the launcher's knobs (SWEEP). Prints JSON.
 """
 from __future__ import annotations
 
