@@ -17,7 +17,7 @@ if TYPE_CHECKING:       # torch only where a method needs it: the config imports
     import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Weight quantization an engine can serve (EngineConfig.quantization, ModelConfig.quantization).
 SUPPORTED_QUANTIZATION = ("fp8",)
 # Checkpoint formats of FP8 weights (config.json quantization_config.quant_method).
@@ -26,7 +26,11 @@ FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 
 @dataclass(slots=True)
 class ModelConfig:
-    """The Llama-family shape, read from a Hugging Face config.json (v4 or v5 layout)."""
+    """The Llama-family shape, read from a Hugging Face config.json (v4 or v5 layout).
+
+    Mixture of experts (Qwen3-MoE, Mixtral; `num_experts` > 0): the layers `is_moe_layer`
+    names replace the gated MLP with `num_experts` experts of `moe_intermediate_size`, each
+    token routed to `num_experts_per_tok` of them (pd_cluster/models/moe.py)."""
 
     architecture: str
     vocab_size: int
@@ -49,6 +53,33 @@ class ModelConfig:
     # quantization_config (`checkpoint_quantization`); an engine's `quantization: fp8` sets
     # it with `with_quantization`.
     quantization: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # Renormalise the top-k routing weights to sum to 1 (Mixtral always does; Qwen3-MoE as
+    # its config says).
+    norm_topk_prob: bool = True
+    # Layers i with (i + 1) % decoder_sparse_step == 0 are sparse, except mlp_only_layers
+    # (Qwen3-MoE's; Mixtral's every layer is sparse).
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_experts and self.quantization == "fp8":
+            # fused_moe has no FP8 weights yet, and 16-bit experts beside FP8 attention would
+            # serve a model other than the one asked for.
+            raise ValueError(f"{self.architecture}: FP8 experts not supported yet (serve the "
+                             f"16-bit checkpoint without quantization: fp8)")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` holds experts (else the dense gated MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def has_dense_layers(self) -> bool:
+        """Whether any decoder layer holds the dense gated MLP (of intermediate_size)."""
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
@@ -83,9 +114,10 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             quantization=checkpoint_quantization(cfg.get("quantization_config")),
+            **_moe_fields(arch, cfg),
         )
 
     def with_quantization(self, requested: str | None) -> "ModelConfig":
@@ -98,6 +130,21 @@ class ModelConfig:
             raise ValueError(f"unsupported quantization {requested!r}; supported: "
                              f"{', '.join(SUPPORTED_QUANTIZATION)}")
         return dataclasses.replace(self, quantization=requested)
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields of a config.json (none for a dense model)."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    # Published Qwen3-MoE configs say num_experts; transformers v5 writes num_local_experts.
+    experts = dict(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                   num_experts_per_tok=cfg["num_experts_per_tok"])
+    if arch == "MixtralForCausalLM":    # every layer sparse, its experts intermediate_size wide
+        return dict(experts, moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    return dict(experts, moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
 
 def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
@@ -212,6 +259,10 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
         "GPUs (ranks) one engine replica spans: heads, MLP and vocabulary split across them; "
         "ranks other than the first run in child processes of the engine's"))
+    enable_expert_parallel: bool = Field(False, description=(
+        "mixture-of-experts models: each tensor-parallel rank holds num_experts / "
+        "tensor_parallel_size whole experts instead of a slice of every expert (attention "
+        "stays tensor-parallel)"))
     peer_all_reduce: bool = Field(True, description=(
         "tensor parallel on GPUs that can map each other's memory (NVLink): decode-sized "
         "all-reduces read the other GPUs' buffers directly in one kernel instead of going "

@@ -150,9 +150,11 @@ def kv_head_shard(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]
     return 1, rank * num_kv_heads // tp_size
 
 
-def check_tp(cfg: ModelConfig, tp_size: int) -> None:
+def check_tp(cfg: ModelConfig, tp_size: int, expert_parallel: bool = False) -> None:
     """Raise a ValueError naming every shape of `cfg` that cannot be split over tp_size ranks.
-    (The vocabulary needs no check: it is padded to a multiple of tp_size.)"""
+    (The vocabulary needs no check: it is padded to a multiple of tp_size.) A mixture of
+    experts splits each expert's intermediate dimension, or with `expert_parallel` the
+    experts themselves (pd_cluster/models/moe.py)."""
     if tp_size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, not {tp_size}")
     problems = []
@@ -163,9 +165,16 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
         kv_head_shard(cfg.num_kv_heads, tp_size, 0)
     except ValueError as e:
         problems.append(str(e))
-    if cfg.intermediate_size % tp_size:
+    if cfg.has_dense_layers and cfg.intermediate_size % tp_size:
         problems.append(f"intermediate_size ({cfg.intermediate_size}) is not divisible by the "
                         f"tensor parallel size ({tp_size})")
+    if cfg.num_experts and expert_parallel and cfg.num_experts % tp_size:
+        problems.append(f"num_experts ({cfg.num_experts}) is not divisible by the expert "
+                        f"parallel size ({tp_size})")
+    if cfg.num_experts and not expert_parallel and cfg.moe_intermediate_size % tp_size:
+        problems.append(f"the experts' intermediate size ({cfg.moe_intermediate_size}) is not "
+                        f"divisible by the tensor parallel size ({tp_size}); "
+                        f"enable_expert_parallel splits whole experts instead")
     if problems:
         raise ValueError(f"cannot split {cfg.architecture} over {tp_size} ranks: "
                          + "; ".join(problems))

@@ -122,7 +122,8 @@ class ModelRunner:
         self._torch_base = torch.cuda.memory_reserved(self.device) \
             if self.device.type == "cuda" else 0
         self.model = load_model(model_dir, model_cfg, max_model_len, self.dtype, self.device,
-                                config.load_format, config.seed, config.quantization)
+                                config.load_format, config.seed, config.quantization,
+                                config.enable_expert_parallel)
         self.num_kv_heads = dist.kv_head_shard(model_cfg.num_kv_heads, self.tp_size, rank)[0]
         # KV cache dtype: the model's, or fp8 with per-layer scales (pd_cluster/kv_scales.py).
         self.kv_dtype, self.kv_scales = self.dtype, ()
@@ -208,7 +209,7 @@ class ModelRunner:
     def _start_ranks(self, runner_args: tuple) -> None:
         """Rank 0: start ranks 1..N-1, each building a ModelRunner of its own, and join their
         group (pd_cluster/tp_workers.py)."""
-        dist.check_tp(self.model_cfg, self.tp_size)
+        dist.check_tp(self.model_cfg, self.tp_size, self.config.enable_expert_parallel)
         dist.check_no_group()
         self.channel = StepChannel.create(self.tp_size - 1)
         self.workers = RankWorkers(self.tp_size, ModelRunner, runner_args, self.channel.file.path)

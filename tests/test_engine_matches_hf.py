@@ -9,7 +9,7 @@ NEW_TOKENS = 64
 
 
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2_bias", "qwen3_qknorm", "llama_tied",
-                                    "mistral"])
+                                    "mistral", "qwen3_moe", "mixtral"])
 def test_greedy_matches_hf_with_chunking_prefix_sharing_and_preemption(family, tiny_model_root):
     model_dir = make_tiny_model(family, tiny_model_root)
     prompts = mixed_prompts()

@@ -30,6 +30,15 @@ FAMILIES = {
     "llama_odd_vocab": ("LlamaConfig", "LlamaForCausalLM",
                         dict(vocab_size=VOCAB - 3, num_key_value_heads=1,
                              tie_word_embeddings=True)),
+    # Mixtures of experts: 4 experts, top 2. Qwen3-MoE renormalises the top 2 and its layer 1
+    # is dense (mlp_only_layers); Mixtral's every layer is sparse.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_key_value_heads=2, head_dim=32, num_hidden_layers=3, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                       mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=None)),
 }
 
 

@@ -1,4 +1,6 @@
-"""The Llama family in one module: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The Llama family in one module: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
+and its mixture-of-experts members, Qwen3-MoE and Mixtral, whose sparse layers take
+`pd_cluster.models.moe.SparseMoE` for the gated MLP.
 
 Tokens of all sequences of a step are flattened into one [T] batch; attention metadata and
 the KV cache travel in the ForwardContext. q/k/v and gate/up are packed into single matmuls;
@@ -7,7 +9,8 @@ the KV cache travel in the ForwardContext. q/k/v and gate/up are packed into sin
 Tensor parallel: the layers split themselves over `get_tp()`'s ranks when built
 (`pd_cluster.models.parallel`); each rank holds num_heads / tp query heads and its share of
 the KV heads (`kv_head_shard`), and its attention backend and KV cache see only those.
-Every rank returns the same hidden states and full-vocabulary logits.
+Every rank returns the same hidden states and full-vocabulary logits. Experts split by their
+intermediate dimension, or whole over the ranks with `expert_parallel` (moe.py).
 
 FP8 (`cfg.quantization == "fp8"`): the q/k/v, o, gate/up and down projections hold FP8
 weights (`pd_cluster.models.parallel`), from an FP8 checkpoint or quantized at load from a
@@ -27,6 +30,7 @@ from pd_cluster.distributed import check_tp, get_tp
 from pd_cluster.forward_context import ForwardContext
 from pd_cluster.models.fp8 import Fp8Activation
 from pd_cluster.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pd_cluster.models.moe import SparseMoE, map_expert_name
 from pd_cluster.models.parallel import (ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, default_weight_loader)
 
@@ -69,11 +73,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization,
-                            reduce_results=False)
+        # Either returns this rank's partial sum, which the next norm reduces.
+        self.mlp = SparseMoE(cfg, expert_parallel) if cfg.is_moe_layer(layer_idx) else \
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization,
+                     reduce_results=False)
         # FP8 projections read the norms' outputs quantized by the norm kernels themselves.
         # Under tensor parallelism the norms sum the row-parallel layers' partial outputs
         # (o_proj's, and down_proj's of the layer before) with their residual add.
@@ -102,13 +108,16 @@ class LlamaForCausalLM(nn.Module):
     KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v|kv)_scale|"
                           r"(k|v)_proj\.output_scale)$")
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, expert_parallel: bool = False):
+        """`expert_parallel`: a MoE model's experts whole over the tensor-parallel ranks
+        (EngineConfig.enable_expert_parallel), not sliced."""
         super().__init__()
         self.cfg = cfg
         if get_tp().size > 1:
-            check_tp(cfg, get_tp().size)
+            check_tp(cfg, get_tp().size, expert_parallel)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, expert_parallel)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, reduce_input=True)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
@@ -170,10 +179,12 @@ class LlamaForCausalLM(nn.Module):
             self.kv_scales = [(kv[i]["k"], kv[i]["v"]) if {"k", "v"} <= kv.get(i, {}).keys()
                               else None for i in range(self.cfg.num_layers)]
 
-    def _map_name(self, name: str) -> tuple[str | None, str | int | None]:
+    def _map_name(self, name: str) -> tuple[str | None, object]:
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None, None
         name = name.removeprefix("model.")
+        if self.cfg.num_experts and (expert := map_expert_name(name)) is not None:
+            return expert
         for hf, (ours, shard) in self.PACKED.items():
             if f".{hf}." in name:
                 return name.replace(hf, ours), shard

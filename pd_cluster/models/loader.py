@@ -58,18 +58,21 @@ def model_loads() -> int:
 
 def load_model(model_dir: str | None, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
                device: torch.device, load_format: str, seed: int,
-               quantization: str | None = None) -> LlamaForCausalLM:
+               quantization: str | None = None,
+               expert_parallel: bool = False) -> LlamaForCausalLM:
     """The model of `cfg` on `device` in `dtype`, its weights from `model_dir`'s safetensors
     or random (load_format "dummy"). `quantization` is the engine's (EngineConfig's): "fp8"
     builds FP8 linear layers whatever the checkpoint holds (16-bit weights are quantized at
-    load); None builds what the checkpoint is (`cfg.quantization`: FP8 for an FP8 one)."""
+    load); None builds what the checkpoint is (`cfg.quantization`: FP8 for an FP8 one).
+    `expert_parallel` (EngineConfig.enable_expert_parallel): a MoE model's experts whole
+    over the tensor-parallel ranks."""
     global _loads
     _loads += 1
     cfg = cfg.with_quantization(quantization)
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions)
+            model = LlamaForCausalLM(cfg, max_positions, expert_parallel)
     finally:
         torch.set_default_dtype(torch.float32)
     if load_format == "dummy":

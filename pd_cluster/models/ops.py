@@ -11,6 +11,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels.fused_moe import fused_moe_ref
 from pd_cluster.distributed import all_reduce, get_tp
 from pd_cluster.models import fp8
 
@@ -108,3 +109,11 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):
 def _activation(out, dtype: torch.dtype):
     """A quantizing kernel's (xq, scale) as an Fp8Activation; a plain tensor as it is."""
     return fp8.Fp8Activation(*out, dtype) if isinstance(out, tuple) else out
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """A MoE layer's experts, kernels/fused_moe.py's contract: x [T, H] -> [T, H], the sum of
+    each token's top-k experts (those this rank holds) weighted by the router. The torch
+    reference for now, on every device: bit-exact with transformers' per-expert loop."""
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, first_expert)
