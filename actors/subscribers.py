@@ -1,12 +1,14 @@
 """Subscriber leases: an engine actor's view of which router replicas are still there.
 
-A router replica is a subscriber, named by its `OutputStreams.sub`. It renews a lease on every
-engine it uses (`keepalive(sub)`, every RENEW_EVERY_S) and names itself on every request it
-starts. A router whose process dies stops renewing; once SUBSCRIBER_LEASE_S has passed
-without a renewal, the engine ends everything that router left here — its streams and
-reservations (decode side), its prefills (prefill side) — so their KV blocks are freed even
-when nobody is left to abort them. A lease of a few seconds, renewed each second, rides out a
-busy router's late renewals without holding a dead router's blocks for long.
+A router replica is a subscriber, named by its `OutputStreams.sub`. It renews a lease on
+every engine it uses (`keepalive(sub)`, every SUBSCRIBER_RENEW_EVERY_S) and names itself on
+every request it starts. A router whose process dies stops renewing; once SUBSCRIBER_LEASE_S
+has passed without a renewal, the engine ends everything that router left here — its streams
+and reservations (decode side), its prefills (prefill side) — so their KV blocks are freed
+even when nobody is left to abort them. A lease of a few seconds, renewed each second, rides
+out a busy router's late renewals without holding a dead router's blocks for long. (D's
+reservation of a prompt's blocks has a lease of its own, renewed while P prefills:
+RESERVATION_LEASE_S in actors/engine_actor.py.)
 
 Lifecycle of a subscriber, as one engine sees it:
     first seen      keepalive(sub), or a request naming it → leased
@@ -26,7 +28,7 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 SUBSCRIBER_LEASE_S = 10.0
-RENEW_EVERY_S = 1.0        # how often a router replica renews (router side)
+SUBSCRIBER_RENEW_EVERY_S = 1.0     # how often a router replica renews (router side)
 
 
 class Subscribers:

@@ -31,7 +31,7 @@ from ray.exceptions import RayActorError
 from actors.engine_loop import EngineFailed
 from actors.messages import StreamDelta, StreamError
 from actors.outbox import raise_stream_error
-from actors.subscribers import RENEW_EVERY_S, SUBSCRIBER_LEASE_S
+from actors.subscribers import SUBSCRIBER_LEASE_S, SUBSCRIBER_RENEW_EVERY_S
 from router.engine_client import answer_within
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class OutputStreams:
 
     def lease(self, key: Hashable, actor: Any) -> None:
         """Keep our subscriber lease on `actor` renewed (actors/subscribers.py): every
-        RENEW_EVERY_S while it lives. A replaced actor's renewals stop."""
+        SUBSCRIBER_RENEW_EVERY_S while it lives. A replaced actor's renewals stop."""
         if _running(self._leases.get(key), actor):
             return
         old = self._leases.get(key)
@@ -94,7 +94,7 @@ class OutputStreams:
                 return              # it died: nothing left to keep
             except Exception as e:  # noqa: BLE001 - a late answer: the next one may do
                 log.info("lease renewal on %s failed: %r", key, e)
-            await asyncio.sleep(RENEW_EVERY_S)
+            await asyncio.sleep(SUBSCRIBER_RENEW_EVERY_S)
 
     def fail(self, request_id: str, error: BaseException) -> None:
         """End the request's stream with `error` (raised by deltas())."""
