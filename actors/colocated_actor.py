@@ -10,14 +10,14 @@ from __future__ import annotations
 import ray
 
 from actors.engine_loop import EngineLoop
-from actors.messages import DECODE
 from actors.streaming import StreamingEngine
 from pd_cluster.config import EngineConfig
+from pd_cluster.role import Role
 
 
 @ray.remote
 class ColocatedActor(StreamingEngine):
     def __init__(self, config: EngineConfig, replica_id: int,
                  stall_timeout_s: float = 600.0) -> None:
-        self.loop = EngineLoop(config, stall_timeout_s, DECODE, replica_id)
+        self.loop = EngineLoop(config, stall_timeout_s, Role.DECODE, replica_id)
         self._open_outbox()

@@ -32,11 +32,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.messages import DECODE, PrefixReport, ReplicaLoad
+from actors.messages import PrefixReport, ReplicaLoad
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
 from pd_cluster.models.loader import model_loads
 from pd_cluster.outputs import RequestOutput
+from pd_cluster.role import Role
 from pd_cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,10 +110,11 @@ class EngineLoop:
     """Owns an LLMEngine and runs it on a background thread; see the module docstring."""
 
     def __init__(self, config: EngineConfig, stall_timeout_s: float = 600.0,
-                 role: str = DECODE, replica_id: int = 0) -> None:
+                 role: Role = Role.DECODE, replica_id: int = 0) -> None:
         self.engine = LLMEngine(config)
         sys.setswitchinterval(SWITCH_INTERVAL_S)        # process-wide: this is the engine's
-        self.role, self.replica_id = role, replica_id   # whose load() reports it is
+        self.role = Role.parse(role)                    # whose load() reports it is
+        self.replica_id = replica_id
         self.stall_timeout_s = stall_timeout_s   # longest wait for a request's next output
         self._commands: collections.deque[_Add | _Abort | _Resume | _Call] = collections.deque()
         # Watches every step (the prefill side's KV pusher); set before requests arrive.

@@ -1,7 +1,8 @@
-"""The P:D planner's policy: from one interval's measurements, what to change in the pools.
+"""The P:D planner's policy: from one interval's measurements, what to change in the tiers
+(the prefill and the decode engine replicas).
 
 Each interval the planner looks at the interval's TTFT and TPOT at the SLO percentile and the
-pool sizes, and returns one Decision (an Action and why):
+tier sizes, and returns one Decision (an Action and why):
 
     TTFT over its SLO, TPOT within     → more prefill: ADD_PREFILL while the GPU budget and
                                           max_prefill allow, else FLIP_TO_PREFILL a decode
@@ -9,21 +10,21 @@ pool sizes, and returns one Decision (an Action and why):
                                           or, live, its engines queue nothing and use under
                                           `headroom` of their KV)
     TPOT over its SLO, TTFT within     → more decode: the mirror image
-    both over                          → add to the pool further over its SLO, if room, else
+    both over                          → add to the tier further over its SLO, if room, else
                                           flip to it if the other's engines are quiet
     both met, one well within (under `headroom` × its SLO), for `calm_intervals` intervals
-    in a row                           → REMOVE from the pool well within (the one with more
+    in a row                           → REMOVE from the tier well within (the one with more
                                           slack if both are; down to its min), unless
-                                          `predict` (from a profile) says the smaller pools
+                                          `predict` (from a profile) says the smaller tiers
                                           would miss an SLO on this interval's load
     otherwise, or within `cooldown_s` of the last change, or no requests → HOLD
 
 One change per decision, then a cooldown: a new engine takes a while to load and the next
 interval's figures must show its effect before the planner acts again. Removing waits for
 several calm intervals: growing fixes a miss at once, shrinking on one quiet interval made
-the pools swing back and forth under a steady load (seen in the replay). A flip keeps the
+the tiers swing back and forth under a steady load (seen in the replay). A flip keeps the
 engine's weights loaded, so it is preferred over remove-then-add when the budget is spent.
-No Ray here: the engine controller applies decisions to live pools, and `pd-cluster tune`
+No Ray here: the engine controller applies decisions to live tiers, and `pd-cluster tune`
 can replay it over simulated intervals.
 """
 from __future__ import annotations
@@ -33,8 +34,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pd_cluster.role import Role
+
 # (prefill count, decode count) -> predicted (TTFT, TPOT) at the SLO percentile, seconds, of
-# the last interval's requests on those pools (the tune replay simulates them from a profile).
+# the last interval's requests on those tiers (the tune replay simulates them from a profile).
 Predict = Callable[[int, int], tuple[float, float]]
 
 
@@ -50,6 +53,11 @@ class Action(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def role(self) -> Role | None:
+        """The role whose tier the action grows, shrinks or flips an engine to; None: HOLD."""
+        return None if self is Action.HOLD else Role(self.value.rpartition("_")[2])
+
 
 @dataclass(frozen=True, slots=True)
 class PlannerSettings:
@@ -63,7 +71,7 @@ class PlannerSettings:
     min_decode: int = 1
     max_decode: int = 64
     cooldown_s: float = 60.0
-    headroom: float = 0.5           # a pool under headroom × its SLO has room to give
+    headroom: float = 0.5           # a tier under headroom × its SLO has room to give
     calm_intervals: int = 3         # intervals in a row with room to give before a removal
     gpus_per_instance: int = 1
 
@@ -79,16 +87,16 @@ class PlannerSettings:
             raise ValueError("planner bounds: need 1 <= min <= max for prefill and decode")
         least = (self.min_prefill + self.min_decode) * self.gpus_per_instance
         if self.gpu_budget < least:
-            raise ValueError(f"planner gpu_budget: {self.gpu_budget} is below the pools' "
+            raise ValueError(f"planner gpu_budget: {self.gpu_budget} is below the tiers' "
                              f"minimum ({least} GPUs)")
 
 
 @dataclass(frozen=True, slots=True)
 class IntervalStats:
-    """One interval as measured: pool sizes, and TTFT / TPOT (seconds) at the SLO percentile
-    of the requests that finished in it (nan: none finished). Live pools add what their
+    """One interval as measured: tier sizes, and TTFT / TPOT (seconds) at the SLO percentile
+    of the requests that finished in it (nan: none finished). Live tiers add what their
     engines report at the interval's end (the replay has none): requests waiting in each
-    pool's queues and its mean KV use (nan: unknown)."""
+    tier's queues and its mean KV use (nan: unknown)."""
 
     num_prefill: int
     num_decode: int
@@ -100,7 +108,7 @@ class IntervalStats:
     prefill_kv_usage: float = math.nan
     decode_kv_usage: float = math.nan
 
-    def quiet(self, role: str, headroom: float) -> bool:
+    def quiet(self, role: Role, headroom: float) -> bool:
         """Whether `role`'s engines have room by their own reports: nothing queued and under
         `headroom` of their KV in use (False when unknown)."""
         waiting, kv = getattr(self, f"{role}_waiting"), getattr(self, f"{role}_kv_usage")
@@ -138,21 +146,21 @@ class Planner:
         if s.requests == 0 or math.isnan(s.ttft) or math.isnan(s.tpot):
             return hold("no finished requests this interval")
         ttft, tpot = s.ttft / cfg.ttft_s, s.tpot / cfg.tpot_s     # 1.0: exactly at the SLO
-        # Calm: both objectives met and at least one pool well within (room to give back).
+        # Calm: both objectives met and at least one tier well within (room to give back).
         self.calm = self.calm + 1 if max(ttft, tpot) <= 1 and min(ttft, tpot) < cfg.headroom \
             else 0
         figures = f"TTFT {s.ttft * 1e3:.0f} ms ({ttft:.2f}x SLO), TPOT {s.tpot * 1e3:.1f} ms " \
                   f"({tpot:.2f}x SLO), {s.num_prefill}P{s.num_decode}D"
         room = (s.num_prefill + s.num_decode + 1) * cfg.gpus_per_instance <= cfg.gpu_budget
         if ttft > 1 and tpot <= 1:
-            return self._grow("prefill", s, room, tpot < cfg.headroom, figures)
+            return self._grow(Role.PREFILL, s, room, tpot < cfg.headroom, figures)
         if tpot > 1 and ttft <= 1:
-            return self._grow("decode", s, room, ttft < cfg.headroom, figures)
+            return self._grow(Role.DECODE, s, room, ttft < cfg.headroom, figures)
         if ttft > 1 and tpot > 1:
-            # Both missed: the pool further over grows; an engine can come from the other
+            # Both missed: the tier further over grows; an engine can come from the other
             # only if its engines say they have room (its latency may be missed for another
             # reason, e.g. the first decode step after a long prompt's handover).
-            worse = "prefill" if ttft >= tpot else "decode"
+            worse = Role.PREFILL if ttft >= tpot else Role.DECODE
             return self._grow(worse, s, room, False, figures)
         if self.calm >= cfg.calm_intervals:
             return self._shrink(s, ttft, tpot, figures)
@@ -161,13 +169,13 @@ class Planner:
                         f"intervals before a removal: {figures}")
         return hold(f"within the SLOs: {figures}")
 
-    def _grow(self, role: str, s: IntervalStats, room: bool, other_has_headroom: bool,
+    def _grow(self, role: Role, s: IntervalStats, room: bool, other_has_headroom: bool,
               figures: str) -> Decision:
         cfg = self.settings
-        other = "decode" if role == "prefill" else "prefill"
+        other = role.other
         have, most = getattr(s, f"num_{role}"), getattr(cfg, f"max_{role}")
         others, least = getattr(s, f"num_{other}"), getattr(cfg, f"min_{other}")
-        short = "TTFT" if role == "prefill" else "TPOT"
+        short = "TTFT" if role is Role.PREFILL else "TPOT"
         if room and have < most:
             return Decision(Action(f"add_{role}"), f"{short} over its SLO: {figures}", s)
         quiet = s.quiet(other, cfg.headroom)
@@ -183,20 +191,20 @@ class Planner:
     def _shrink(self, s: IntervalStats, ttft: float, tpot: float, figures: str) -> Decision:
         cfg = self.settings
         vetoed = []
-        # The pool with more slack gives one back, if it may (and the prediction agrees).
-        for role in (("prefill", "decode") if ttft <= tpot else ("decode", "prefill")):
-            ratio = ttft if role == "prefill" else tpot
+        # The tier with more slack gives one back, if it may (and the prediction agrees).
+        for role in ((Role.PREFILL, Role.DECODE) if ttft <= tpot else (Role.DECODE, Role.PREFILL)):
+            ratio = ttft if role is Role.PREFILL else tpot
             if ratio >= cfg.headroom or getattr(s, f"num_{role}") <= getattr(cfg, f"min_{role}"):
                 continue
-            p, d = s.num_prefill - (role == "prefill"), s.num_decode - (role == "decode")
+            p, d = s.num_prefill - (role is Role.PREFILL), s.num_decode - (role is Role.DECODE)
             if self.predict is not None:
                 t, o = self.predict(p, d)
                 if t > cfg.ttft_s or o > cfg.tpot_s:
                     vetoed.append(f"{p}P{d}D would miss (predicted TTFT {t * 1e3:.0f} ms, "
                                   f"TPOT {o * 1e3:.1f} ms)")
                     continue
-            short = "TTFT" if role == "prefill" else "TPOT"
+            short = "TTFT" if role is Role.PREFILL else "TPOT"
             return Decision(Action(f"remove_{role}"),
                             f"both SLOs met, {short} well within: {figures}", s)
-        why = "; ".join(vetoed) if vetoed else "the pools with room are at their minimum"
+        why = "; ".join(vetoed) if vetoed else "the tiers with room are at their minimum"
         return Decision(Action.HOLD, f"room to give back, but {why}: {figures}", s)

@@ -1,8 +1,8 @@
 """The HTTP surface: FastAPI routes over OpenAIServing, auth, body limits, error bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three need
-`Authorization: Bearer <key>` when an API key is configured), GET /health (each engine pool:
-ready / degraded / pending, and why a replica is pending; 503 while a pool has no READY
+`Authorization: Bearer <key>` when an API key is configured), GET /health (each engine tier:
+ready / degraded / pending, and why a replica is pending; 503 while a tier has no READY
 replica), GET /metrics.
 Every error, ours or Starlette's (unknown route, wrong method), is an OpenAI error body.
 """
@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.control.membership import PoolState
+from router.control.membership import TierState
 from router.errors import APIError, ErrorCode, bad_request, internal, too_large, unauthorized
 from router.serving import OpenAIServing
 from router.streams import LoadMonitor, MembershipWatcher
@@ -51,18 +51,18 @@ class Router:
             self.watcher.ensure_started()
 
     def health(self) -> tuple[dict[str, Any], bool]:
-        """/health's body, and whether requests can be served (every pool has a READY
+        """/health's body, and whether requests can be served (every tier has a READY
         replica): ok (every wanted replica READY) | degraded | unavailable."""
         if self.watcher is None:
             return {"status": "ok", "router": {"replica": self.name, "pid": os.getpid()}}, True
         m = self.watcher.membership
         serving = m is not None and m.serving()
-        ready = serving and all(m.pool_state(r) is PoolState.READY for r in m.roles())
+        ready = serving and all(m.tier_state(r) is TierState.READY for r in m.roles())
         body: dict[str, Any] = {
             "status": "ok" if ready else "degraded" if serving else "unavailable",
             "router": {"replica": self.name, "pid": os.getpid()}}
         if m is not None:
-            body.update(membership_version=m.version, pools=m.pools())
+            body.update(membership_version=m.version, tiers=m.tiers())
         return body, serving
 
     def authorize(self, request: Request) -> None:

@@ -30,6 +30,7 @@ import ray
 from ray import serve
 
 from pd_cluster.config import EngineConfig
+from pd_cluster.role import Role
 from pd_cluster.tokenizer import load_tokenizer
 from router.api import Router, create_app
 from router.app_config import AppConfig, replica_actor_options
@@ -63,7 +64,7 @@ HAPROXY_INGRESS_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
 def start_client(config: AppConfig, engine: EngineConfig,
-                 actor_options: Mapping[str, dict[str, Any]]) -> Any:
+                 actor_options: Mapping[Role, dict[str, Any]]) -> Any:
     """The mode's EngineClient, with its engine replicas started (not yet ready). Pooled mode
     is the disaggregated client with KV through a DistributedKVCache, made in wait_ready."""
     if config.mode == "colocated":
@@ -190,10 +191,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         logger.warning("Ray Serve's Python proxy adds ~8 ms per request; start Ray with "
                        "%s=1 for HAProxy ingress", HAPROXY_INGRESS_ENV)
     resources = ray.cluster_resources()
-    actor_options = {role: replica_actor_options(config, role, resources)
-                     for role in ("prefill", "decode")}
+    actor_options = {role: replica_actor_options(config, role, resources) for role in Role}
     controller = EngineController.bind(dict(args or {}), actor_options)
-    ongoing = (config.most_replicas("decode") * config.engine.max_num_seqs
+    ongoing = (config.most_replicas(Role.DECODE) * config.engine.max_num_seqs
                + config.limits.max_queue + SPARE_ONGOING_REQUESTS)
     scaling = config.router_deployment_options()
     deployment = OpenAIRouter.options(
@@ -205,15 +205,15 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 
 def router_cpus(config: AppConfig, routers: int, resources: Mapping[str, float],
-                actor_options: Mapping[str, dict[str, Any]]) -> float:
+                actor_options: Mapping[Role, dict[str, Any]]) -> float:
     """CPUs of each of (at most) `routers` router replicas: one where the cluster has them
     beside the engines, else an equal share of what the engines leave
     (replica_actor_options leaves one CPU)."""
-    cpus = {role: actor_options[role].get("num_cpus", 1.0) for role in ("prefill", "decode")}
+    cpus = {role: actor_options[role].get("num_cpus", 1.0) for role in Role}
     if config.planner.enabled:      # the most engines that can run at once, of either role
         engines = max(cpus.values()) * config.most_engine_replicas()
     else:
-        engines = cpus["prefill"] * config.num_prefill + cpus["decode"] * config.num_decode
+        engines = sum(cpus[role] * getattr(config, f"num_{role}") for role in Role)
     spare = resources.get("CPU", 0) - engines
     if spare >= routers:
         return 1.0

@@ -27,14 +27,14 @@ from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, mode
 from pd_cluster.config import STRICT_MODEL_CONFIG, EngineConfig
 from pd_cluster.config_errors import validate_config
 from pd_cluster.planner import PlannerSettings
+from pd_cluster.role import Role
 from router.app_sections import (ROUTING_POLICIES, KVPoolConfig, Limits,  # noqa: F401
                                  PlannerConfig, RouterAutoscaling, Routing)
 
-# Engine roles; each is also the name of the custom Ray resource its node group advertises.
-ROLES = ("prefill", "decode")
 AUTO = "auto"
-# Share of its role's custom resource that one replica asks for. A node group advertises one
-# unit per GPU, so this only pins the replica to its group; GPUs (or CPUs) limit packing.
+# Share of its role's custom resource (named by the Role's value) that one replica asks for. A
+# node group advertises one unit per GPU, so this only pins the replica to its group; GPUs (or
+# CPUs) limit packing.
 ROLE_RESOURCE_SHARE = 0.01
 MIN_CPU_SHARE = 0.01        # the least CPU share an auto replica gets on a crowded machine
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -115,7 +115,7 @@ class AppConfig(BaseModel):
     kv_pool: KVPoolConfig = Field(default_factory=KVPoolConfig, description=(
         "the KV pool of pooled mode: capacity, placement, the same-node fast path"))
     planner: PlannerConfig = Field(default_factory=PlannerConfig, description=(
-        "the elastic P:D planner, which resizes and flips the pools to meet TTFT / TPOT SLOs "
+        "the elastic P:D planner, which resizes and flips the tiers to meet TTFT / TPOT SLOs "
         "within a GPU budget (off by default)"))
 
     @classmethod
@@ -144,7 +144,7 @@ class AppConfig(BaseModel):
         if self.mode != "colocated" and self.num_prefill < 1:
             raise ValueError(f"num_prefill: {self.mode} mode needs at least 1 prefill replica "
                              "(0 only with mode: colocated)")
-        for role in ROLES:
+        for role in Role:
             tp, spec = self.tensor_parallel_size(role), getattr(self, f"{role}_resources")
             if tp > 1 and isinstance(spec, ReplicaResources) and 0 < spec.num_gpus < tp:
                 raise ValueError(f"{role}_resources.num_gpus: {spec.num_gpus:g} for "
@@ -170,19 +170,19 @@ class AppConfig(BaseModel):
         planner = self.planner
         if self.mode == "colocated":
             raise ValueError("planner: needs disaggregated or pooled mode (mode is colocated: "
-                             "no prefill pool to resize)")
-        tps = {role: self.tensor_parallel_size(role) for role in ROLES}
-        if tps["prefill"] != tps["decode"]:
+                             "no prefill tier to resize)")
+        tps = {role: self.tensor_parallel_size(role) for role in Role}
+        if tps[Role.PREFILL] != tps[Role.DECODE]:
             raise ValueError(
                 f"planner: needs one tensor-parallel size for both roles (a flip keeps the "
-                f"engine's weights, sharded one way); {self._tp_field('prefill')} is "
-                f"{tps['prefill']}, {self._tp_field('decode')} {tps['decode']}")
-        for role in ROLES:
+                f"engine's weights, sharded one way); {self._tp_field(Role.PREFILL)} is "
+                f"{tps[Role.PREFILL]}, {self._tp_field(Role.DECODE)} {tps[Role.DECODE]}")
+        for role in Role:
             least, most = getattr(planner, f"min_{role}"), getattr(planner, f"max_{role}")
             if most < least:
                 raise ValueError(f"planner.max_{role}: {most} is below planner.min_{role} "
                                  f"{least}")
-        for role in ROLES:
+        for role in Role:
             least, most = getattr(planner, f"min_{role}"), getattr(planner, f"max_{role}")
             count = getattr(self, f"num_{role}")
             if not least <= count <= most:
@@ -191,20 +191,20 @@ class AppConfig(BaseModel):
         start = self._starting_gpus()
         if planner.gpu_budget is not None and planner.gpu_budget < start:
             raise ValueError(
-                f"planner.gpu_budget: {planner.gpu_budget} is below the {start} GPUs the pools "
+                f"planner.gpu_budget: {planner.gpu_budget} is below the {start} GPUs the tiers "
                 f"start with ({self.num_prefill} prefill + {self.num_decode} decode replicas "
-                f"x tensor-parallel size {tps['decode']})")
+                f"x tensor-parallel size {tps[Role.DECODE]})")
 
-    def tensor_parallel_size(self, role: str) -> int:
+    def tensor_parallel_size(self, role: Role) -> int:
         """Tensor-parallel ranks (GPUs) of each `role` replica."""
         own = getattr(self, f"{role}_tensor_parallel_size")
         return self.engine.tensor_parallel_size if own is None else own
 
-    def _tp_field(self, role: str) -> str:
+    def _tp_field(self, role: Role) -> str:
         own = f"{role}_tensor_parallel_size"
         return own if getattr(self, own) is not None else "engine.tensor_parallel_size"
 
-    def role_engine(self, engine: EngineConfig, role: str) -> EngineConfig:
+    def role_engine(self, engine: EngineConfig, role: Role) -> EngineConfig:
         """`engine` (the resolved engine config) as a `role` replica runs it."""
         tp = self.tensor_parallel_size(role)
         if tp == engine.tensor_parallel_size:
@@ -219,29 +219,27 @@ class AppConfig(BaseModel):
 
     def _starting_gpus(self) -> int:
         return sum(getattr(self, f"num_{role}") * self.tensor_parallel_size(role)
-                   for role in ROLES)
+                   for role in Role)
 
     def planner_gpu_budget(self) -> int:
-        """GPUs the two pools may use together: planner.gpu_budget, or (null) what num_prefill
+        """GPUs the two tiers may use together: planner.gpu_budget, or (null) what num_prefill
         and num_decode start with (replicas x tensor-parallel size)."""
         budget = self.planner.gpu_budget
         return self._starting_gpus() if budget is None else budget
 
     def _budget_replicas(self) -> int:
         # With the planner on, both roles have one tensor-parallel size (checked above).
-        return self.planner_gpu_budget() // self.tensor_parallel_size("decode")
+        return self.planner_gpu_budget() // self.tensor_parallel_size(Role.DECODE)
 
-    def most_replicas(self, role: str) -> int:
+    def most_replicas(self, role: Role) -> int:
         """The most `role` replicas that can exist at once: num_prefill / num_decode, or with
-        the planner on, as many as it may grow the pool to: max_<role>, and no more than the
-        budget leaves once the other pool is at its minimum."""
-        if role not in ROLES:
-            raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
+        the planner on, as many as it may grow the role's tier to: max_<role>, and no more
+        than the budget leaves once the other tier is at its minimum."""
+        role = Role.parse(role)
         if not self.planner.enabled:
             return getattr(self, f"num_{role}")
-        other = "decode" if role == "prefill" else "prefill"
         return min(getattr(self.planner, f"max_{role}"),
-                   self._budget_replicas() - getattr(self.planner, f"min_{other}"))
+                   self._budget_replicas() - getattr(self.planner, f"min_{role.other}"))
 
     def most_engine_replicas(self) -> int:
         """The most engine replicas (both roles) that can exist at once: num_prefill +
@@ -261,7 +259,7 @@ class AppConfig(BaseModel):
             min_prefill=p.min_prefill, max_prefill=p.max_prefill,
             min_decode=p.min_decode, max_decode=p.max_decode,
             cooldown_s=p.cooldown_s, headroom=p.headroom, calm_intervals=p.calm_intervals,
-            gpus_per_instance=self.tensor_parallel_size("decode"))
+            gpus_per_instance=self.tensor_parallel_size(Role.DECODE))
 
     def router_deployment_options(self) -> dict[str, Any]:
         """Ray Serve `.options(...)` kwargs of the router deployment: `num_replicas`, or
@@ -271,20 +269,19 @@ class AppConfig(BaseModel):
         return {"autoscaling_config": self.router_autoscaling.model_dump()}
 
 
-def replica_actor_options(config: AppConfig, role: str,
+def replica_actor_options(config: AppConfig, role: Role,
                           cluster_resources: Mapping[str, float]) -> dict[str, Any]:
-    """Ray actor options of one `role` ("prefill" or "decode") replica.
+    """Ray actor options of one `role` replica.
 
     Explicit resources are returned as written. "auto" asks for one GPU per tensor-parallel
     rank (`tensor_parallel_size(role)`) when the cluster has GPUs, else a share of the CPUs that leaves one for each router replica (see _cpu_share);
     and, when the cluster offers the custom resource named after the role (a node group of
     `configs/cluster.yaml` or the Helm chart), ROLE_RESOURCE_SHARE of it, which pins the
-    replica to its group. In colocated mode the engines are "decode" replicas.
+    replica to its group. In colocated mode the engines are DECODE replicas.
     `cluster_resources` is `ray.cluster_resources()`.
     """
-    if role not in ROLES:
-        raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
-    spec = config.prefill_resources if role == "prefill" else config.decode_resources
+    role = Role.parse(role)
+    spec = getattr(config, f"{role}_resources")
     if isinstance(spec, ReplicaResources):
         return spec.actor_options()
     if cluster_resources.get("GPU", 0) >= 1:
@@ -295,7 +292,7 @@ def replica_actor_options(config: AppConfig, role: str,
         options = {"num_cpus": _cpu_share(config, cluster_resources.get("CPU", 1.0)),
                    "num_gpus": 0.0}
     if cluster_resources.get(role, 0) > 0:
-        options["resources"] = {role: ROLE_RESOURCE_SHARE}
+        options["resources"] = {str(role): ROLE_RESOURCE_SHARE}
     return options
 
 

@@ -121,7 +121,7 @@ class PlannerConfig(BaseModel):
     model_config = STRICT_MODEL_CONFIG
 
     enabled: bool = Field(False, description=(
-        "let the planner resize the prefill and decode pools; false: num_prefill and "
+        "let the planner resize the prefill and decode tiers; false: num_prefill and "
         "num_decode stay as written"))
     ttft_ms: float = Field(1000.0, gt=0, description="TTFT SLO (ms) at the percentile")
     tpot_ms: float = Field(50.0, gt=0, description=(
@@ -129,7 +129,7 @@ class PlannerConfig(BaseModel):
     percentile: float = Field(90.0, gt=0, le=100, description=(
         "percentile of the interval's requests the SLOs hold for"))
     gpu_budget: int | None = Field(None, ge=1, description=(
-        "GPUs the two pools may use together (replicas x tensor_parallel_size); null: what "
+        "GPUs the two tiers may use together (replicas x tensor_parallel_size); null: what "
         "num_prefill and num_decode start with"))
     min_prefill: int = Field(1, ge=1, description="fewest prefill replicas")
     max_prefill: int = Field(8, ge=1, description="most prefill replicas")
@@ -142,9 +142,9 @@ class PlannerConfig(BaseModel):
     calm_intervals: int = Field(3, ge=1, description=(
         "intervals in a row well within both SLOs before a replica is removed"))
     headroom: float = Field(0.5, gt=0, lt=1, description=(
-        "a pool under headroom x its SLO has room to give (a removal, a flip)"))
+        "a tier under headroom x its SLO has room to give (a removal, a flip)"))
     drain_timeout_s: float = Field(600.0, gt=0, description=(
         "longest wait for a removed or flipped replica to finish its requests"))
     profile: str | None = Field(None, min_length=1, description=(
         "a `pd-cluster profile` JSON file (path on the controller's node): removals are "
-        "vetted by predicting the smaller pools on the interval's load; null: not vetted"))
+        "vetted by predicting the smaller tiers on the interval's load; null: not vetted"))

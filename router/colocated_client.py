@@ -12,9 +12,10 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from actors.messages import DECODE, StreamAccumulator
+from actors.messages import StreamAccumulator
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
+from pd_cluster.role import Role
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
 from router.control.fleet import EngineFleet
@@ -39,11 +40,11 @@ class ColocatedClient:
     @property
     def actors(self) -> list[Any]:
         """The engines' actors, by replica id (tests, benchmarks)."""
-        return self.table.by_id(DECODE)
+        return self.table.by_id(Role.DECODE)
 
     @classmethod
     def start(cls, config: AppConfig, engine: EngineConfig,
-              actor_options: Mapping[str, dict[str, Any]]) -> ColocatedClient:
+              actor_options: Mapping[Role, dict[str, Any]]) -> ColocatedClient:
         """A client over engines of its own (an unsupervised fleet; colocated engines take
         the decode role), brought up by wait_ready."""
         fleet = EngineFleet.for_app(config, engine, actor_options, supervise=False)
@@ -58,20 +59,20 @@ class ColocatedClient:
         self.table.update(membership)
 
     @property
-    def dead(self) -> set[tuple[str, int]]:
+    def dead(self) -> set[tuple[Role, int]]:
         """Replicas this client found dead and the membership has not replaced yet."""
         return self.table.dead
 
-    def available(self) -> set[tuple[str, int]]:
+    def available(self) -> set[tuple[Role, int]]:
         return self.table.available()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
-        actor = self.table.actors[DECODE][route.decode_id]
+        actor = self.table.actors[Role.DECODE][route.decode_id]
         self._where[request_id] = route.decode_id
         finished = False
         try:
-            await self.streams.open(request_id, (DECODE, route.decode_id), actor)
+            await self.streams.open(request_id, (Role.DECODE, route.decode_id), actor)
             await actor.generate.remote(request_id, prompt_token_ids, params, self.streams.sub)
             acc = StreamAccumulator(request_id, prompt_token_ids)
             async for delta in self.streams.deltas(request_id, self.timeout_s):
@@ -79,7 +80,7 @@ class ColocatedClient:
                 finished = out.finished
                 yield out
         except RayActorError:
-            self.table.mark_dead((DECODE, route.decode_id))
+            self.table.mark_dead((Role.DECODE, route.decode_id))
             raise
         finally:
             self.streams.close(request_id)
@@ -91,8 +92,8 @@ class ColocatedClient:
     async def abort(self, request_id: str) -> None:
         replica = self._where.get(request_id)
         if replica is not None:
-            await self.table.actors[DECODE][replica].abort.remote(request_id)
+            await self.table.actors[Role.DECODE][replica].abort.remote(request_id)
 
-    async def loads(self, cursors: Mapping[tuple[str, int], int] | None = None
+    async def loads(self, cursors: Mapping[tuple[Role, int], int] | None = None
                     ) -> list[ReplicaLoad]:
         return await table_loads(self.table, cursors)

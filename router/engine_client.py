@@ -18,6 +18,7 @@ from ray.exceptions import RayActorError
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.outputs import RequestOutput
+from pd_cluster.role import Role
 from pd_cluster.sampling_params import SamplingParams
 from router.app_config import AppConfig
 from router.control.membership import Membership, ReplicaTable
@@ -27,7 +28,7 @@ from router.routing import ReplicaLoad, Route
 class EngineClient(Protocol):
     @classmethod
     def start(cls, config: AppConfig, engine: EngineConfig,
-              actor_options: Mapping[str, dict[str, Any]]) -> EngineClient:
+              actor_options: Mapping[Role, dict[str, Any]]) -> EngineClient:
         """A client with engine replicas of its own (an unsupervised EngineFleet, its actors
         owned by the caller, `actor_options[role]` each); returns without waiting for them."""
 
@@ -38,7 +39,7 @@ class EngineClient(Protocol):
     def update(self, membership: Membership) -> None:
         """Route over this membership's READY replicas from now on (older ones are ignored)."""
 
-    def available(self) -> set[tuple[str, int]]:
+    def available(self) -> set[tuple[Role, int]]:
         """(role, replica id) of the replicas new requests may go to."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -50,7 +51,7 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; unknown or finished ids are ignored."""
 
-    async def loads(self, cursors: Mapping[tuple[str, int], int] | None = None
+    async def loads(self, cursors: Mapping[tuple[Role, int], int] | None = None
                     ) -> list[ReplicaLoad]:
         """One fresh report per replica (prefill and decode): `actor.load(prefix_since=
         cursors.get((role, replica_id)))`, so a replica the cursors name (the routing policy's
@@ -78,13 +79,13 @@ async def answer_within(awaitable: Any, timeout_s: float) -> Any:
     return call.result()
 
 
-async def table_loads(table: ReplicaTable, cursors: Mapping[tuple[str, int], int] | None
+async def table_loads(table: ReplicaTable, cursors: Mapping[tuple[Role, int], int] | None
                       ) -> list[ReplicaLoad]:
     """One fresh report per usable replica of `table` (a replica that turns out dead is
     marked so; one that does not answer within LOAD_TIMEOUT_S is left out this time)."""
     keyed = table.keyed()
 
-    async def one(key: tuple[str, int], actor: Any) -> Any:
+    async def one(key: tuple[Role, int], actor: Any) -> Any:
         ref = (actor.load.remote() if cursors is None
                else actor.load.remote(prefix_since=cursors.get(key)))
         return await asyncio.wait_for(ref, LOAD_TIMEOUT_S)

@@ -1,11 +1,11 @@
 """Prometheus metrics of the router, vLLM-style, served at /metrics.
 
 Latencies are measured in the router per engine request (what a client sees); per-replica
-gauges and counters come from the replicas' load reports, read at scrape time, and pool
+gauges and counters come from the replicas' load reports, read at scrape time, and tier
 sizes, engine restarts and the membership version from the engine controller's membership, and
 the planner's decisions from the controller's answer to each latency report. Names are
 the ones the Grafana dashboard (helm/dashboards/pd-cluster.json) queries; replica metrics
-carry `role` ("prefill" | "decode") and `replica` labels.
+carry `role` (a Role's value, "prefill" | "decode") and `replica` labels.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class _ReplicaCollector(Collector):
         spec_rate = gauge("pd_spec_decode_acceptance_rate", "Draft tokens kept / draft tokens "
                           "verified, since start (speculating replicas only).")
         for load in self.loads:
-            labels = [load.role, str(load.replica_id)]
+            labels = [str(load.role), str(load.replica_id)]
             if load.spec_decode:
                 for name, family in spec.items():
                     family.add_metric(labels, load.spec_decode[name])
@@ -138,7 +138,7 @@ class _KVPoolCollector(Collector):
 
 class _MembershipCollector(Collector):
     """Exports the engine controller's latest membership (set by RouterMetrics.set_membership):
-    its version, each pool's replicas by state and target, each replica's restarts."""
+    its version, each tier's replicas by state and target, each replica's restarts."""
 
     def __init__(self) -> None:
         self.membership: Membership | None = None
@@ -150,19 +150,19 @@ class _MembershipCollector(Collector):
         version = GaugeMetricFamily("pd_membership_version", "Version of the engine "
                                     "controller's membership this router routes over.")
         version.add_metric([], m.version)
-        replicas = GaugeMetricFamily("pd_pool_replicas", "Engine replicas of a role, by "
-                                     "state.", labels=("role", "state"))
-        target = GaugeMetricFamily("pd_pool_target_replicas", "Engine replicas of a role "
-                                   "the controller keeps.", labels=("role",))
+        replicas = GaugeMetricFamily("pd_tier_replicas", "Engine replicas of a role (its "
+                                     "tier), by state.", labels=("role", "state"))
+        target = GaugeMetricFamily("pd_tier_target_replicas", "Engine replicas of a role "
+                                   "the controller keeps (its tier's size).", labels=("role",))
         restarts = CounterMetricFamily("pd_engine_restarts", "Engine actors started in a "
                                        "replica's slot after its first.", labels=_REPLICA)
         for role in m.roles():
-            target.add_metric([role], m.targets.get(role, 0))
+            target.add_metric([str(role)], m.targets.get(role, 0))
             for state in ReplicaState:
-                replicas.add_metric([role, state.value],
+                replicas.add_metric([str(role), state.value],
                                     sum(1 for r in m.of(role) if r.state is state))
         for r in m.members:
-            restarts.add_metric([r.role, str(r.replica_id)], r.restarts)
+            restarts.add_metric([str(r.role), str(r.replica_id)], r.restarts)
         yield from (version, replicas, target, restarts)
 
 

@@ -33,10 +33,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from actors.messages import DECODE, PREFILL, PrefixReport, ReplicaLoad
+from actors.messages import PrefixReport, ReplicaLoad
 from pd_cluster.block_allocator import prefix_block_hashes
+from pd_cluster.role import Role
 
-Key = tuple[str, int]   # (role, replica id)
+Key = tuple[Role, int]   # (role, replica id)
+# router/disagg_client.py's names of the roles, until it imports Role itself; nothing else
+# uses them (issue 42, item 4: one name per idea).
+PREFILL, DECODE = Role.PREFILL, Role.DECODE
 
 # Own routes kept per replica until the replica has reported its KV cache size.
 DEFAULT_RECORD_BLOCKS = 4096
@@ -75,8 +79,8 @@ class RoutingPolicy(ABC):
 
     def __init__(self, inputs: RoutingInputs) -> None:
         self.inputs = inputs
-        self._available = {DECODE: list(range(inputs.num_decode)),
-                           PREFILL: list(range(inputs.num_prefill))}
+        self._available = {Role.DECODE: list(range(inputs.num_decode)),
+                           Role.PREFILL: list(range(inputs.num_prefill))}
 
     @abstractmethod
     def route(self, prompt_ids: Sequence[int]) -> Route:
@@ -92,19 +96,19 @@ class RoutingPolicy(ABC):
 
     def set_available(self, keys: Collection[Key]) -> None:
         """Route only to these (role, replica id) from now on, e.g. the READY replicas."""
-        available: dict[str, list[int]] = {DECODE: [], PREFILL: []}
+        available: dict[Role, list[int]] = {Role.DECODE: [], Role.PREFILL: []}
         for role, replica_id in keys:
             if role not in available:
                 raise ValueError(f"unknown replica role {role!r} in {(role, replica_id)}")
             available[role].append(replica_id)
         self._available = {role: sorted(ids) for role, ids in available.items()}
 
-    def available(self, role: str) -> list[int]:
+    def available(self, role: Role) -> list[int]:
         """The available replica ids of `role`, ascending."""
         return self._available[role]
 
     def _decode_ids(self) -> list[int]:
-        ids = self._available[DECODE]
+        ids = self._available[Role.DECODE]
         if not ids:
             raise NoReplicaAvailable("no decode replica is available")
         return ids
@@ -116,16 +120,16 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def __init__(self, inputs: RoutingInputs) -> None:
         super().__init__(inputs)
-        self._turns = {DECODE: 0, PREFILL: 0}
+        self._turns = {Role.DECODE: 0, Role.PREFILL: 0}
 
     def route(self, prompt_ids: Sequence[int]) -> Route:
-        decode_id = self._next(DECODE, self._decode_ids())
-        prefill_ids = self.available(PREFILL)
+        decode_id = self._next(Role.DECODE, self._decode_ids())
+        prefill_ids = self.available(Role.PREFILL)
         if not prefill_ids or len(prompt_ids) < self.inputs.conditional_disagg_threshold:
             return Route(decode_id)
-        return Route(decode_id, self._next(PREFILL, prefill_ids))
+        return Route(decode_id, self._next(Role.PREFILL, prefill_ids))
 
-    def _next(self, role: str, ids: list[int]) -> int:
+    def _next(self, role: Role, ids: list[int]) -> int:
         turn = self._turns[role]
         self._turns[role] = turn + 1
         return ids[turn % len(ids)]
@@ -244,17 +248,17 @@ class KvAwarePolicy(RoutingPolicy):
         # The last prompt token is always computed (a hit never covers it), as in the engine.
         hashes = prefix_block_hashes(prompt_ids[:-1], bs)
         num_blocks = -(-len(prompt_ids) // bs)
-        decode_id, overlap = self._cheapest(DECODE, decode_ids, hashes, num_blocks)
-        self._assign((DECODE, decode_id), hashes, num_blocks)
+        decode_id, overlap = self._cheapest(Role.DECODE, decode_ids, hashes, num_blocks)
+        self._assign((Role.DECODE, decode_id), hashes, num_blocks)
         uncached = len(prompt_ids) - overlap * bs
-        prefill_ids = self.available(PREFILL)
+        prefill_ids = self.available(Role.PREFILL)
         if not prefill_ids or uncached < self.inputs.conditional_disagg_threshold:
             return Route(decode_id)
-        prefill_id, _ = self._cheapest(PREFILL, prefill_ids, hashes, num_blocks)
-        self._assign((PREFILL, prefill_id), hashes, num_blocks)
+        prefill_id, _ = self._cheapest(Role.PREFILL, prefill_ids, hashes, num_blocks)
+        self._assign((Role.PREFILL, prefill_id), hashes, num_blocks)
         return Route(decode_id, prefill_id)
 
-    def cost(self, role: str, replica_id: int, hashes: Sequence[int],
+    def cost(self, role: Role, replica_id: int, hashes: Sequence[int],
              num_blocks: int) -> tuple[float, int]:
         """(cost, prefix blocks held) of sending a prompt of `num_blocks` blocks there."""
         replica = self._replica((role, replica_id))
@@ -262,7 +266,7 @@ class KvAwarePolicy(RoutingPolicy):
         active = replica.used + replica.routed_blocks
         return self.inputs.prefill_weight * (num_blocks - overlap) + active, overlap
 
-    def _cheapest(self, role: str, ids: list[int], hashes: Sequence[int],
+    def _cheapest(self, role: Role, ids: list[int], hashes: Sequence[int],
                   num_blocks: int) -> tuple[int, int]:
         costs = {i: self.cost(role, i, hashes, num_blocks) for i in ids}
         best = min(ids, key=lambda i: costs[i][0])   # ties: the lowest id

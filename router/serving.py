@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from actors.messages import DECODE
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import FinishReason
+from pd_cluster.role import Role
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import Tokenizer
 from router.app_config import AppConfig
@@ -89,7 +89,7 @@ class OpenAIServing:
     def check_available(self) -> None:
         """503 when no decode replica can take requests (the engines are starting, or every
         decode replica is restarting)."""
-        if not any(role == DECODE for role, _ in self.client.available()):
+        if not any(role == Role.DECODE for role, _ in self.client.available()):
             raise unavailable("No engine replica is ready to serve: the engines are starting "
                               "or restarting (GET /health says which replicas and why).")
 

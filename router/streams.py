@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
-from actors.messages import DECODE
+from pd_cluster.role import Role
 from router.control.membership import Membership
 from router.control.planner_loop import REPORT_EVERY_S
 from router.engine_client import EngineClient, answer_within
@@ -155,13 +155,13 @@ def serving_change(old: Membership | None, new: Membership,
                    url: str | None) -> tuple[int, str] | None:
     """(log level, line) when requests can first be served, or no longer can; else None."""
     was = old is not None and old.serving()
-    pools = ", ".join(f"{role} {len(new.ready(role))}/{new.targets.get(role, 0)} ready"
+    tiers = ", ".join(f"{role} {len(new.ready(role))}/{new.targets.get(role, 0)} ready"
                       for role in new.roles())
     if new.serving() and not was:
-        return logging.INFO, f"pd-cluster is ready: {url or 'serving'} ({pools})"
+        return logging.INFO, f"pd-cluster is ready: {url or 'serving'} ({tiers})"
     if was and not new.serving():
-        return logging.WARNING, (f"pd-cluster cannot serve now: {pools}; requests get 503 "
-                                 "until a replica of each pool is ready")
+        return logging.WARNING, (f"pd-cluster cannot serve now: {tiers}; requests get 503 "
+                                 "until a replica of each tier is ready")
     return None
 
 
@@ -191,7 +191,7 @@ class MembershipWatcher:
         self.membership = membership
         self.client.update(membership)
         self.sync()
-        self.admission.capacity = len(membership.ready(DECODE)) * self.max_num_seqs
+        self.admission.capacity = len(membership.ready(Role.DECODE)) * self.max_num_seqs
         self.metrics.set_membership(membership)
         self._say_serving(old, membership)
         if old is not None:

@@ -50,7 +50,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, serving: bool) ->
         if proc.poll() is not None:
             raise RuntimeError(f"serve run exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
         status, body = health(url)
-        return status == 200 if serving else bool(body and "pools" in body)   # router up
+        return status == 200 if serving else bool(body and "tiers" in body)   # router up
     try:
         wait_until(healthy, START_TIMEOUT_S, HEALTH_POLL_S)
     except TimeoutError:

@@ -157,10 +157,10 @@ def test_colocated_mode_defaults_to_no_prefill_replicas():
     ({"num_decode": 1, "planner": {"enabled": True, "min_decode": 2}},
      "num_decode: 1 is outside planner.min_decode..max_decode (2..8)"),
     ({"num_prefill": 2, "num_decode": 2, "planner": {"enabled": True, "gpu_budget": 3}},
-     "planner.gpu_budget: 3 is below the 4 GPUs the pools start with (2 prefill + 2 decode "
+     "planner.gpu_budget: 3 is below the 4 GPUs the tiers start with (2 prefill + 2 decode "
      "replicas x tensor-parallel size 1)"),
     ({"engine": {"tensor_parallel_size": 2}, "planner": {"enabled": True, "gpu_budget": 3}},
-     "planner.gpu_budget: 3 is below the 4 GPUs the pools start with"),
+     "planner.gpu_budget: 3 is below the 4 GPUs the tiers start with"),
 ])
 def test_bad_args_raise_value_error_naming_the_field(args, field):
     with pytest.raises(ValueError, match="^" + re.escape(field)):
@@ -302,12 +302,12 @@ def test_planner_is_off_by_default_and_its_rules_only_apply_when_on():
     assert (config.planner.ttft_ms, config.planner.tpot_ms, config.planner.percentile) == \
         (1000, 50, 90)
     assert config.planner.gpu_budget is None and config.planner.profile is None
-    # Off: colocated mode, pools outside min..max and a small budget are all fine.
+    # Off: colocated mode, tiers outside min..max and a small budget are all fine.
     AppConfig.from_args({"mode": "colocated", "num_decode": 12,
                          "planner": {"max_decode": 2, "gpu_budget": 1}})
 
 
-def test_without_the_planner_the_pools_are_their_written_sizes():
+def test_without_the_planner_the_tiers_are_their_written_sizes():
     config = AppConfig.from_args({"num_prefill": 2, "num_decode": 3,
                                   "planner": {"gpu_budget": 64}})
     assert (config.most_replicas("prefill"), config.most_replicas("decode")) == (2, 3)
@@ -329,7 +329,7 @@ def test_the_planners_budget_defaults_to_the_starting_gpus():
     assert tp.planner_gpu_budget() == 8 and tp.most_engine_replicas() == 4
 
 
-def test_the_planner_reaches_max_or_what_the_budget_leaves_the_other_pools_minimum():
+def test_the_planner_reaches_max_or_what_the_budget_leaves_the_other_tiers_minimum():
     config = AppConfig.from_args({
         "num_prefill": 2, "num_decode": 2, "prefill_tensor_parallel_size": 2,
         "decode_tensor_parallel_size": 2,

@@ -8,7 +8,8 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from router.app_config import ROLE_RESOURCE_SHARE, ROLES, AppConfig, replica_actor_options
+from pd_cluster.role import Role
+from router.app_config import ROLE_RESOURCE_SHARE, AppConfig, replica_actor_options
 
 REPO = Path(__file__).resolve().parents[1]
 GPUS_PER_INSTANCE = {"p5.48xlarge": 8, "p5e.48xlarge": 8, "p5en.48xlarge": 8, "g6e.48xlarge": 8}
@@ -31,9 +32,9 @@ def test_passes_the_checks_ray_up_runs_before_touching_the_cloud(cluster):
 def test_each_role_has_its_own_gpu_pool_and_the_head_has_none(cluster):
     types = cluster["available_node_types"]
     head = types[cluster["head_node_type"]]
-    assert not set(head["resources"]) & set(ROLES)
+    assert not set(head["resources"]) & set(Role)
     assert head["node_config"]["InstanceType"] not in GPUS_PER_INSTANCE
-    for role in ROLES:
+    for role in Role:
         (pool,) = [t for t in types.values() if role in t["resources"]]
         gpus = GPUS_PER_INSTANCE[pool["node_config"]["InstanceType"]]
         assert pool["resources"] == {role: gpus}       # one unit per GPU
@@ -50,7 +51,7 @@ def test_auto_resources_pin_replicas_to_the_pools_once_they_have_joined(cluster)
             for name, amount in node_type["resources"].items():
                 offered[name] = offered.get(name, 0) + amount
     config = AppConfig.from_args({})
-    for role in ROLES:
+    for role in Role:
         assert replica_actor_options(config, role, offered) == {
             "num_cpus": 1.0, "num_gpus": 1.0, "resources": {role: ROLE_RESOURCE_SHARE}}
 

@@ -6,7 +6,7 @@ through HAProxy with plain HTTP streams.
   the `x-pd-router` header), and a prompt sharing a prefix with one served by the other router
   reports cached tokens;
 - SIGKILL of a decode engine's process under load: its streams go on on the other decoder with
-  the exact tokens, none fails, and the controller brings the pool back to 2 decoders;
+  the exact tokens, none fails, and the controller brings the decode tier back to 2 decoders;
 - SIGKILL of a router replica's process under load: the other router's streams end with the
   exact tokens, every KV block of the killed router's requests is freed on P and D, and a
   replacement router serves within 15 s over the same engine actors;
@@ -110,8 +110,8 @@ def routers(url: str, tries: int = 40) -> dict[str, int]:
 def engine_ids(url: str) -> dict[str, str]:
     """Engine replica name → its actor id, from /health."""
     _, body = health(url)
-    return {r["replica"]: r["actor_id"] for pool in body["pools"].values()
-            for r in pool["replicas"]}
+    return {r["replica"]: r["actor_id"] for tier in body["tiers"].values()
+            for r in tier["replicas"]}
 
 
 def engine_metrics(url: str) -> dict[str, list[float]]:
@@ -157,7 +157,7 @@ async def _one(url: str, text: str) -> dict:
     return out
 
 
-def test_killed_decoder_streams_finish_exactly_and_the_pool_comes_back(server: str,
+def test_killed_decoder_streams_finish_exactly_and_the_tier_comes_back(server: str,
                                                                        expected: list[str]):
     from ray._private.state import actors
     before = engine_ids(server)
@@ -174,9 +174,9 @@ def test_killed_decoder_streams_finish_exactly_and_the_pool_comes_back(server: s
 
     def restored() -> bool:
         status, body = health(server)
-        pool = body["pools"]["decode"] if body else {}
-        return status == 200 and pool.get("ready") == 2 and pool["state"] == "ready"
-    wait_until(restored, RESTORED_WITHIN_S, 1.0, "the decode pool back at 2 ready")
+        tier = body["tiers"]["decode"] if body else {}
+        return status == 200 and tier.get("ready") == 2 and tier["state"] == "ready"
+    wait_until(restored, RESTORED_WITHIN_S, 1.0, "the decode tier back at 2 ready")
     after = engine_ids(server)
     assert after["decode-0"] != before["decode-0"]
     assert after["decode-1"] == before["decode-1"] and after["prefill-0"] == before["prefill-0"]
@@ -230,11 +230,11 @@ def test_drained_decoder_is_retired_and_the_rest_serve(server: str):
     states = {f"{m.role}-{m.replica_id}": str(m.state) for m in membership.members}
     assert states == {"prefill-0": "ready", "decode-0": "ready", "decode-1": "retired"}
 
-    # A drained replica leaves the pool on purpose: the pool's target shrinks with it.
+    # A drained replica leaves the tier on purpose: the tier's target shrinks with it.
     def shrunk() -> dict | None:
         status, body = health(server)
-        return body if status == 200 and body["pools"]["decode"]["target"] == 1 else None
-    body = wait_until(shrunk, 30, 0.5, "/health: the decode pool's target down to 1")
-    assert body["status"] == "ok" and body["pools"]["decode"]["state"] == "ready"
+        return body if status == 200 and body["tiers"]["decode"]["target"] == 1 else None
+    body = wait_until(shrunk, 30, 0.5, "/health: the decode tier's target down to 1")
+    assert body["status"] == "ok" and body["tiers"]["decode"]["state"] == "ready"
     results = run_streams(server, 8, 8)
     assert [r["error"] for r in results] == [""] * 8

@@ -167,7 +167,7 @@ def pod_templates(rayservice: dict) -> dict[str, dict]:
     return {"head": cluster["headGroupSpec"]["template"], **groups}
 
 
-def test_each_engine_pool_is_a_worker_group_sized_and_pinned_for_its_replicas(rendered):
+def test_each_engine_tier_is_a_worker_group_sized_and_pinned_for_its_replicas(rendered):
     config = AppConfig.from_args(serve_app(rendered)["args"])
     cluster = only(rendered, "RayService")["spec"]["rayClusterConfig"]
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}

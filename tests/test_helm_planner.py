@@ -170,9 +170,9 @@ def test_a_string_budget_fails_the_schema(helm):
      {"num_decode": 4, "planner": {"max_decode": 3}},
      r"num_decode: 4 is outside planner.min_decode..max_decode \(1..3\)"),
     (["prefill.replicas=2", "decode.replicas=2", "planner.gpuBudget=3"],
-     "planner.gpuBudget (3) is below the 4 GPUs the pools start with",
+     "planner.gpuBudget (3) is below the 4 GPUs the tiers start with",
      {"num_prefill": 2, "num_decode": 2, "planner": {"gpu_budget": 3}},
-     "planner.gpu_budget: 3 is below the 4 GPUs the pools start with"),
+     "planner.gpu_budget: 3 is below the 4 GPUs the tiers start with"),
 ])
 def test_inconsistent_planner_values_fail_helm_template_as_app_config_would(
         helm, assignments, message, args, app_message):
@@ -230,22 +230,22 @@ def test_dashboard_shows_the_planners_decisions_by_action():
     assert matched == {"pd_planner_decisions_total", "ray_pd_planner_decisions_total"}
 
 
-def test_dashboard_shows_target_and_ready_pool_sizes_by_role():
-    panel = planner_panels()["P:D planner pool sizes"]
+def test_dashboard_shows_target_and_ready_tier_sizes_by_role():
+    panel = planner_panels()["P:D planner tier sizes"]
     exprs = {t["legendFormat"]: t["expr"] for t in panel["targets"]}
     assert set(exprs) == {"target {{role}}", "ready {{role}}"}
     assert 'state="ready"' in exprs["ready {{role}}"]
     assert all("by (role)" in e for e in exprs.values())
 
     def gauges(registry):
-        Gauge("pd_pool_target_replicas", "Target.", ("role",), registry=registry)\
+        Gauge("pd_tier_target_replicas", "Target.", ("role",), registry=registry)\
             .labels("prefill").set(1)
-        Gauge("pd_pool_replicas", "By state.", ("role", "state"), registry=registry)\
+        Gauge("pd_tier_replicas", "By state.", ("role", "state"), registry=registry)\
             .labels("prefill", "ready").set(1)
 
     names = exported_names(gauges)
-    for legend, wanted in [("target {{role}}", "pd_pool_target_replicas"),
-                           ("ready {{role}}", "pd_pool_replicas")]:
+    for legend, wanted in [("target {{role}}", "pd_tier_target_replicas"),
+                           ("ready {{role}}", "pd_tier_replicas")]:
         (pattern,) = selected_names(exprs[legend])
         assert {n for n in names if re.fullmatch(pattern, n)} == {wanted}
 
@@ -255,5 +255,5 @@ def test_planner_values_render_the_planner_panels_into_the_dashboard_config_map(
     (dashboard,) = [json.loads(v) for v in only(rendered, "ConfigMap", "-dashboard")["data"]
                     .values()]
     titles = {p["title"] for p in dashboard["panels"]}
-    assert {"P:D planner decisions", "P:D planner pool sizes"} <= titles
+    assert {"P:D planner decisions", "P:D planner tier sizes"} <= titles
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])

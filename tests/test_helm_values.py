@@ -1,5 +1,5 @@
 """The Helm chart's engine and router values, rendered by a real helm v3: router replicas or
-Serve autoscaling, the NOTES, and tensor-parallel sizes per pool, each checked against what
+Serve autoscaling, the NOTES, and tensor-parallel sizes per tier, each checked against what
 AppConfig makes of the same args."""
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_tensor_parallel_size_reaches_the_engine_and_needs_a_gpu_per_rank(helm):
                              "decode_resources": {"num_gpus": 1}})
 
 
-def test_each_pool_may_run_its_own_tensor_parallel_size(helm):
+def test_each_tier_may_run_its_own_tensor_parallel_size(helm):
     args = rendered_app_args(helm, "prefill.tensorParallelSize=2", "prefill.gpusPerReplica=2")
     assert args["prefill_tensor_parallel_size"] == 2
     assert args["decode_tensor_parallel_size"] is None

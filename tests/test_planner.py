@@ -1,5 +1,5 @@
-"""The P:D planner's policy (pd_cluster/planner.py): which pool it grows when TTFT or TPOT
-misses its SLO, a flip when the GPU budget is spent, a removal when both pools have slack,
+"""The P:D planner's policy (pd_cluster/planner.py): which tier it grows when TTFT or TPOT
+misses its SLO, a flip when the GPU budget is spent, a removal when both tiers have slack,
 one change per cooldown, and settings it refuses."""
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ def decide(num_p: int, num_d: int, ttft: float, tpot: float, budget: int = 8, **
 def test_slow_first_tokens_grow_prefill_and_slow_decoding_grows_decode():
     assert decide(1, 1, ttft=2.0, tpot=0.04) is Action.ADD_PREFILL
     assert decide(1, 1, ttft=0.5, tpot=0.09) is Action.ADD_DECODE
-    # Both over: the pool further over its SLO.
+    # Both over: the tier further over its SLO.
     assert decide(1, 1, ttft=3.0, tpot=0.06) is Action.ADD_PREFILL
     assert decide(1, 1, ttft=1.1, tpot=0.2) is Action.ADD_DECODE
 
 
-def test_a_spent_budget_flips_an_engine_from_the_pool_with_headroom():
+def test_a_spent_budget_flips_an_engine_from_the_tier_with_headroom():
     assert decide(2, 2, ttft=2.0, tpot=0.01, budget=4) is Action.FLIP_TO_PREFILL
     assert decide(2, 2, ttft=0.2, tpot=0.09, budget=4) is Action.FLIP_TO_DECODE
     # No headroom on the other side, or it is at its minimum: nothing to do.
@@ -34,9 +34,9 @@ def test_a_spent_budget_flips_an_engine_from_the_pool_with_headroom():
     assert decide(3, 1, ttft=2.0, tpot=0.01, budget=4) is Action.HOLD
 
 
-def test_quiet_engines_of_the_other_pool_give_one_up_when_both_slos_are_missed():
-    """Live pools: both objectives missed, no GPU to add. The pool further over gets an
-    engine from the other only if that pool's engines queue nothing and use under
+def test_quiet_engines_of_the_other_tier_give_one_up_when_both_slos_are_missed():
+    """Live tiers: both objectives missed, no GPU to add. The tier further over gets an
+    engine from the other only if that tier's engines queue nothing and use under
     `headroom` of their KV (its miss has another cause); unknown loads (the replay) hold."""
     planner = lambda: Planner(PlannerSettings(**SLO, gpu_budget=4))  # noqa: E731
     idle_decode = dict(decode_waiting=0, decode_kv_usage=0.3, prefill_waiting=3,
@@ -57,13 +57,13 @@ def test_tensor_parallel_instances_count_their_gpus_against_the_budget():
         Action.ADD_PREFILL
 
 
-def test_a_pool_with_slack_gives_one_back_down_to_its_minimum():
+def test_a_tier_with_slack_gives_one_back_down_to_its_minimum():
     calm = dict(calm_intervals=1)
     assert decide(2, 3, ttft=0.1, tpot=0.02, **calm) is Action.REMOVE_PREFILL   # more slack
     assert decide(2, 3, ttft=0.4, tpot=0.005, **calm) is Action.REMOVE_DECODE
     assert decide(1, 3, ttft=0.1, tpot=0.02, **calm) is Action.REMOVE_DECODE  # prefill at min
     assert decide(1, 1, ttft=0.1, tpot=0.02, **calm) is Action.HOLD
-    # One pool well within, the other only within: the one with room gives an engine back.
+    # One tier well within, the other only within: the one with room gives an engine back.
     assert decide(2, 2, ttft=0.8, tpot=0.02, **calm) is Action.REMOVE_DECODE
     assert decide(2, 2, ttft=0.2, tpot=0.04, **calm) is Action.REMOVE_PREFILL
     assert decide(2, 2, ttft=0.8, tpot=0.04, **calm) is Action.HOLD   # within, no room
@@ -99,7 +99,7 @@ def test_every_decision_says_why_with_its_figures():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(gpu_budget=1), "gpu_budget: 1 is below the pools' minimum (2 GPUs)"),
+    (dict(gpu_budget=1), "gpu_budget: 1 is below the tiers' minimum (2 GPUs)"),
     (dict(gpu_budget=8, headroom=1.5), "headroom"),
     (dict(gpu_budget=8, min_prefill=3, max_prefill=2), "bounds"),
     (dict(gpu_budget=8, ttft_s=0), "SLOs"),
@@ -109,7 +109,7 @@ def test_impossible_settings_are_refused_naming_them(kw, message):
         PlannerSettings(**{**SLO, **kw})
 
 
-def test_a_prediction_that_the_smaller_pools_would_miss_vetoes_the_removal():
+def test_a_prediction_that_the_smaller_tiers_would_miss_vetoes_the_removal():
     asked = []
 
     def predict(num_p: int, num_d: int) -> tuple[float, float]:

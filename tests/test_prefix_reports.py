@@ -11,12 +11,13 @@ import threading
 import pytest
 
 from actors.engine_loop import EngineLoop
-from actors.messages import DECODE, PrefixReport, ReplicaLoad
+from actors.messages import PrefixReport, ReplicaLoad
 from pd_cluster.block_allocator import prefix_block_hashes
 from pd_cluster.config import EngineConfig
 from pd_cluster.kv_cache_manager import KVCacheManager
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import Request
+from pd_cluster.role import Role
 from pd_cluster.sampling_params import SamplingParams
 from router.routing import KvAwarePolicy, NoReplicaAvailable, Route, RoutingInputs
 from tiny_models import VOCAB, make_tiny_model
@@ -44,7 +45,7 @@ def make_loop(model: str):
         config = EngineConfig(model=model, block_size=BS, num_kv_blocks=num_kv_blocks,
                               max_model_len=128, max_num_seqs=8, cuda_graphs=False,
                               device="cpu")
-        started.append(EngineLoop(config, 30.0, DECODE, replica_id))
+        started.append(EngineLoop(config, 30.0, Role.DECODE, replica_id))
         return started[-1]
     yield make
     for loop in started:
@@ -132,7 +133,7 @@ def test_eviction_shows_up_as_removed(make_loop):
     policy = KvAwarePolicy(RoutingInputs(num_prefill=0, num_decode=1, block_size=BS))
     hashes = prefix_block_hashes(first[:-1], BS)
     policy.observe([loop.load(-1)])
-    held = policy.cost(DECODE, 0, hashes, 8)[1]
+    held = policy.cost(Role.DECODE, 0, hashes, 8)[1]
     assert held < len(hashes)
     assert held == next((i for i, h in enumerate(hashes) if h not in after.stored), len(hashes))
 
@@ -174,7 +175,7 @@ def test_two_routers_route_a_shared_prefix_where_the_other_sent_it(make_loop):
     loops = [make_loop(0), make_loop(1)]
     inputs = RoutingInputs(num_prefill=0, num_decode=2, block_size=BS)
     router_a, router_b = KvAwarePolicy(inputs), KvAwarePolicy(inputs)
-    assert router_b.prefix_cursors() == {(DECODE, 0): -1, (DECODE, 1): -1}
+    assert router_b.prefix_cursors() == {(Role.DECODE, 0): -1, (Role.DECODE, 1): -1}
     poll(router_a, loops), poll(router_b, loops)
     shared = tokens(5, 24)                     # 6 blocks
     first, second = shared + tokens(6, 5), shared + tokens(7, 7)
@@ -184,22 +185,22 @@ def test_two_routers_route_a_shared_prefix_where_the_other_sent_it(make_loop):
     serve(loops[1], "first", first)
     hashes = prefix_block_hashes(second[:-1], BS)
     blocks = -(-len(second) // BS)
-    assert router_b.cost(DECODE, 1, hashes, blocks)[1] == 0     # b has not heard yet
+    assert router_b.cost(Role.DECODE, 1, hashes, blocks)[1] == 0     # b has not heard yet
 
     poll(router_a, loops), poll(router_b, loops)
-    assert router_b.cost(DECODE, 1, hashes, blocks)[1] == 6
+    assert router_b.cost(Role.DECODE, 1, hashes, blocks)[1] == 6
     assert router_b.route(second) == Route(1)
     assert serve(loops[1], "second", second).num_cached_tokens == 24
     loads = poll(router_b, loops)
-    assert router_b.prefix_cursors()[(DECODE, 1)] == loads[1].prefix.cursor > 0
+    assert router_b.prefix_cursors()[(Role.DECODE, 1)] == loads[1].prefix.cursor > 0
 
     # Only the available replicas are candidates.
-    router_b.set_available({(DECODE, 0)})
+    router_b.set_available({(Role.DECODE, 0)})
     assert router_b.route(second) == Route(0)
     router_b.set_available(set())
     with pytest.raises(NoReplicaAvailable):
         router_b.route(second)
-    router_b.set_available({(DECODE, 0), (DECODE, 1)})
+    router_b.set_available({(Role.DECODE, 0), (Role.DECODE, 1)})
 
     # D1 restarts: its first report, under a new epoch, replaces all b knew of it.
     old_epoch = report(loops[1], -1).epoch
@@ -207,8 +208,8 @@ def test_two_routers_route_a_shared_prefix_where_the_other_sent_it(make_loop):
     loops[1] = make_loop(1)
     fresh = poll(router_b, loops)[1].prefix
     assert fresh.epoch != old_epoch and fresh.snapshot and fresh.stored == []
-    assert router_b.cost(DECODE, 1, hashes, blocks)[1] == 0
-    assert router_b.prefix_cursors()[(DECODE, 1)] == fresh.cursor
+    assert router_b.cost(Role.DECODE, 1, hashes, blocks)[1] == 0
+    assert router_b.prefix_cursors()[(Role.DECODE, 1)] == fresh.cursor
 
 
 def test_a_router_following_the_changes_tracks_the_cache_exactly():

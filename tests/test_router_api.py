@@ -12,12 +12,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pd_cluster.outputs import CompletionOutput, RequestOutput
+from pd_cluster.role import Role
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import load_tokenizer
 from router.api import Router, create_app
 from router.app_config import AppConfig
 from router.metrics import RouterMetrics
-from router.routing import DECODE, ReplicaLoad, Route, RoutingInputs, make_policy
+from router.routing import ReplicaLoad, Route, RoutingInputs, make_policy
 from router.serving import OpenAIServing
 from router.streams import LoadMonitor
 
@@ -65,10 +66,10 @@ class ScriptedClient:
         self.aborted.append(request_id)
 
     def available(self) -> set[tuple[str, int]]:
-        return {(DECODE, 0)}
+        return {(Role.DECODE, 0)}
 
     async def loads(self, cursors=None) -> list[ReplicaLoad]:
-        return [ReplicaLoad(DECODE, 0, num_running=len(self.active), kv_blocks_total=10)]
+        return [ReplicaLoad(Role.DECODE, 0, num_running=len(self.active), kv_blocks_total=10)]
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ def test_unplaceable_replica_is_named_with_its_request_within_30s():
     with serve_run(args, serving=False) as url:
         def named() -> dict | None:
             status, body = health(url)
-            if body is None or status != 503 or "pools" not in body:  # not while starting
+            if body is None or status != 503 or "tiers" not in body:  # not while starting
                 return None
-            decode = body["pools"]["decode"]["replicas"][0]
+            decode = body["tiers"]["decode"]["replicas"][0]
             return decode if "CPU: 64" in decode.get("detail", "") else None
         replica = wait_until(named, 30, 0.5, "/health naming the unplaced decode replica")
         waited = time.monotonic() - began
@@ -32,5 +32,5 @@ def test_unplaceable_replica_is_named_with_its_request_within_30s():
     assert replica["resources"]["num_cpus"] == 64
     assert "no node of the cluster has that much (the largest offers {CPU: 2})" \
         in replica["detail"]
-    assert body["status"] == "unavailable" and body["pools"]["decode"]["state"] == "pending"
+    assert body["status"] == "unavailable" and body["tiers"]["decode"]["state"] == "pending"
     print(f"unplaced replica named {waited:.1f} s after `serve run` began")

@@ -34,7 +34,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if eq .Values.mode "colocated" }}["decode"]{{ else }}["prefill", "decode"]{{ end -}}
 {{- end -}}
 
-{{/* Pods of a worker group: ceil(replicas / replicasPerPod). Call with the pool's values. */}}
+{{/* Pods of a worker group: ceil(replicas / replicasPerPod). Call with the group's values. */}}
 {{- define "pd-cluster.pods" -}}
 {{- $per := int .replicasPerPod -}}
 {{- div (add (int .replicas) (sub $per 1)) $per -}}
@@ -78,15 +78,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $args "prefill_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "prefill") | fromYaml) -}}
 {{- end -}}
 {{- range $role := list "prefill" "decode" -}}
-{{- $pool := index $v $role -}}
+{{- $group := index $v $role -}}
 {{- $tp := int ($v.engine.tensorParallelSize | default 1) -}}
 {{- $what := "engine.tensorParallelSize" -}}
-{{- $_ := set $args (printf "%s_tensor_parallel_size" $role) $pool.tensorParallelSize -}}
-{{- if $pool.tensorParallelSize -}}
-{{- $tp = int $pool.tensorParallelSize -}}
+{{- $_ := set $args (printf "%s_tensor_parallel_size" $role) $group.tensorParallelSize -}}
+{{- if $group.tensorParallelSize -}}
+{{- $tp = int $group.tensorParallelSize -}}
 {{- $what = printf "%s.tensorParallelSize" $role -}}
 {{- end -}}
-{{- $gpus := int $pool.gpusPerReplica -}}
+{{- $gpus := int $group.gpusPerReplica -}}
 {{- if and (gt $tp 1) (gt $gpus 0) (lt $gpus $tp) (or (eq $role "decode") (ne $v.mode "colocated")) -}}
 {{- fail (printf "%s.gpusPerReplica (%d) is below %s (%d): each rank needs a GPU" $role $gpus $what $tp) -}}
 {{- end -}}
@@ -121,16 +121,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {}
 {{- else -}}
 {{- if eq $v.mode "colocated" -}}
-{{- fail "planner.enabled needs mode disaggregated or pooled (colocated has no prefill pool to resize)" -}}
+{{- fail "planner.enabled needs mode disaggregated or pooled (colocated has no prefill tier to resize)" -}}
 {{- end -}}
 {{- $tps := dict -}}
 {{- $whats := dict -}}
 {{- range $role := list "prefill" "decode" -}}
-{{- $pool := index $v $role -}}
+{{- $group := index $v $role -}}
 {{- $_ := set $tps $role (int ($v.engine.tensorParallelSize | default 1)) -}}
 {{- $_ := set $whats $role "engine.tensorParallelSize" -}}
-{{- if $pool.tensorParallelSize -}}
-{{- $_ := set $tps $role (int $pool.tensorParallelSize) -}}
+{{- if $group.tensorParallelSize -}}
+{{- $_ := set $tps $role (int $group.tensorParallelSize) -}}
 {{- $_ := set $whats $role (printf "%s.tensorParallelSize" $role) -}}
 {{- end -}}
 {{- end -}}
@@ -156,7 +156,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not (kindIs "invalid" $p.gpuBudget) -}}
 {{- $budget = int $p.gpuBudget -}}
 {{- if lt $budget $start -}}
-{{- fail (printf "planner.gpuBudget (%d) is below the %d GPUs the pools start with (prefill.replicas %d + decode.replicas %d, x tensor-parallel size %d)" $budget $start (int $v.prefill.replicas) (int $v.decode.replicas) $tp) -}}
+{{- fail (printf "planner.gpuBudget (%d) is below the %d GPUs the tiers start with (prefill.replicas %d + decode.replicas %d, x tensor-parallel size %d)" $budget $start (int $v.prefill.replicas) (int $v.decode.replicas) $tp) -}}
 {{- end -}}
 {{- end -}}
 {{- $replicas := div $budget $tp -}}
@@ -266,11 +266,11 @@ applications:
 {{- toYaml $ctx -}}
 {{- end -}}
 
-{{/* Pod template of a Ray node. Args: root, name (container), pool (values), engine (bool:
+{{/* Pod template of a Ray node. Args: root, name (container), group (its values), engine (bool:
      a prefill/decode pod, which gets GPUs, RDMA and /dev/shm), role. */}}
 {{- define "pd-cluster.podTemplate" -}}
 {{- $root := .root -}}
-{{- $pool := .pool -}}
+{{- $group := .group -}}
 metadata:
   labels:
     {{- include "pd-cluster.selectorLabels" $root | nindent 4 }}
@@ -282,15 +282,15 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
-  {{- with $pool.nodeSelector }}
+  {{- with $group.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $pool.tolerations }}
+  {{- with $group.tolerations }}
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $pool.affinity }}
+  {{- with $group.affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -311,9 +311,9 @@ spec:
         - {containerPort: 10001, name: client}
         {{- end }}
       resources:
-        {{- $res := deepCopy (default dict $pool.resources) -}}
+        {{- $res := deepCopy (default dict $group.resources) -}}
         {{- if .engine -}}
-        {{- $gpus := mul (int $pool.gpusPerReplica) (int $pool.replicasPerPod) -}}
+        {{- $gpus := mul (int $group.gpusPerReplica) (int $group.replicasPerPod) -}}
         {{- $extra := dict -}}
         {{- if gt $gpus 0 }}{{ $_ := set $extra "nvidia.com/gpu" $gpus }}{{ end -}}
         {{- if $root.Values.rdma.enabled }}{{ $_ := set $extra $root.Values.rdma.resourceName (int $root.Values.rdma.count) }}{{ end -}}
@@ -333,11 +333,11 @@ spec:
     - {name: cache, emptyDir: {}}
     {{- if .engine }}
     - name: dshm
-      emptyDir: {medium: Memory, sizeLimit: {{ $pool.shmSize }}}
+      emptyDir: {medium: Memory, sizeLimit: {{ $group.shmSize }}}
     {{- end }}
 {{- end -}}
 
 {{/* KubeRay's rayStartParams value for custom resources: a shell-quoted JSON object. */}}
 {{- define "pd-cluster.rayResources" -}}
-{{- toJson (dict .role (int .pool.replicasPerPod)) | quote | squote -}}
+{{- toJson (dict .role (int .group.replicasPerPod)) | quote | squote -}}
 {{- end -}}

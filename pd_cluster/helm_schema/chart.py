@@ -11,7 +11,7 @@ from typing import Any
 Schema = dict[str, Any]
 # EngineConfig's block_size validator asks for a power of two, which a type cannot say.
 BLOCK_SIZES = [2 ** n for n in range(9)]
-POOL_SIZES = ("replicas", "gpusPerReplica", "cpusPerReplica", "replicasPerPod", "shmSize")
+GROUP_SIZES = ("replicas", "gpusPerReplica", "cpusPerReplica", "replicasPerPod", "shmSize")
 
 
 def _object(properties: Schema, description: str = "", required: Sequence[str] = ()) -> Schema:
@@ -45,7 +45,7 @@ def _placement() -> Schema:
     }
 
 
-def _engine_pool(description: str) -> Schema:
+def _worker_group(description: str) -> Schema:
     """A worker group of engine replicas; tree.py adds replicas and tensorParallelSize."""
     return _object({
         **_placement(),
@@ -57,7 +57,7 @@ def _engine_pool(description: str) -> Schema:
                            "description": "replicas on one pod"},
         "shmSize": {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$",
                     "description": "size of /dev/shm (NCCL / UCX shared memory)"},
-    }, description, POOL_SIZES)
+    }, description, GROUP_SIZES)
 
 
 HEADER: Schema = {
@@ -81,8 +81,8 @@ PROPERTIES: Schema = {
             "time", ["enabled"]),
     }, "the router deployment (Serve deployment OpenAIRouter): a fixed replica count, or Serve "
        "autoscaling", ["replicas", "autoscaling"]),
-    "prefill": _engine_pool("prefill worker group; ignored in colocated mode"),
-    "decode": _engine_pool("decode worker group (the engines, in colocated mode)"),
+    "prefill": _worker_group("prefill worker group; ignored in colocated mode"),
+    "decode": _worker_group("decode worker group (the engines, in colocated mode)"),
     # -- the chart's own values
     "global": {"type": "object"},
     "nameOverride": {"type": "string"},

@@ -13,7 +13,7 @@ from router.app_config import AppConfig
 
 Schema = dict[str, Any]
 # Tree fields whose value sits at another path of the chart: the router deployment's under
-# `router:`, and a pool's replicas and tensor-parallel size with its pool's other sizes.
+# `router:`, and a worker group's replicas and tensor-parallel size with its other sizes.
 MOVED: dict[str, tuple[str, ...]] = {
     "num_prefill": ("prefill", "replicas"),
     "num_decode": ("decode", "replicas"),

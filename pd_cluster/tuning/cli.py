@@ -185,7 +185,7 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
                    "config snippets and results.json")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--planner", action="store_true", help="replay a workload whose mix shifts "
-                   "(--phase ...) with the P:D planner and with the best fixed pools; needs "
+                   "(--phase ...) with the P:D planner and with the best fixed tiers; needs "
                    "a numeric --rate")
     p.add_argument("--phase", nargs=3, action="append", metavar=("INPUT", "OUTPUT", "SECONDS"),
                    help="with --planner: one phase of the shifting workload (lengths as "
@@ -270,10 +270,10 @@ def _tune_planner(args: argparse.Namespace, profile: Profile, limits: Any, slo: 
     gpi = settings.gpus_per_instance
     fixed = [replay(profile, limits, slo, phases, settings.rate, spec, interval, None,
                     settings.burstiness, settings.seed)
-             for spec in tqdm(candidates(settings.gpu_budget, False, gpi), desc="fixed pools",
+             for spec in tqdm(candidates(settings.gpu_budget, False, gpi), desc="fixed tiers",
                               disable=args.quiet)]
     best = max(fixed, key=lambda r: r.goodput_per_gpu)
-    # The planner starts from the best fixed pools: what it gains is its own doing.
+    # The planner starts from the best fixed tiers: what it gains is its own doing.
     planned = replay(profile, limits, slo, phases, settings.rate, best.start, interval,
                      PlannerSettings(slo.ttft, slo.tpot, settings.gpu_budget,
                                      cooldown_s=interval, gpus_per_instance=gpi),
@@ -285,11 +285,11 @@ def _tune_planner(args: argparse.Namespace, profile: Profile, limits: Any, slo: 
          "interval_s": interval, "best_fixed": best.summary(),
          "planner": planned.summary()}, indent=1) + "\n")
     for row in planned.intervals:
-        print(f"{row['start_s']:7.0f} s  {row['pools']:>10}  met {row['met']:4d}/"
+        print(f"{row['start_s']:7.0f} s  {row['tiers']:>10}  met {row['met']:4d}/"
               f"{row['requests']:<4d} {row['action']:>15}  {row['reason']}")
     print(f"\ngoodput per GPU: planner {planned.goodput_per_gpu:.3g} req/s "
           f"({planned.met}/{planned.requests} met, {planned.summary()['mean_gpus']:.2f} GPUs "
-          f"on average); best fixed pools {best.start}: "
+          f"on average); best fixed tiers {best.start}: "
           f"{best.goodput_per_gpu:.3g} req/s ({best.met}/{best.requests} met)")
     print(f"wrote {out}/planner.json")
     return 0

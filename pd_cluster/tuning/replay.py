@@ -1,15 +1,15 @@
 """Replay a workload whose mix shifts through the simulator, with the P:D planner deciding
-between intervals or with the pools fixed (`pd-cluster tune --planner`).
+between intervals or with the tiers fixed (`pd-cluster tune --planner`).
 
 The trace: phases back to back, each `seconds` long at `rate` requests/s with its own
 lengths (e.g. decode-heavy, then prompt-heavy). It is cut into intervals of `interval_s`;
-each interval's requests run through the simulator on the pools of that moment, and the
+each interval's requests run through the simulator on the tiers of that moment, and the
 planner (pd_cluster/planner.py) reads the interval's TTFT and TPOT at the SLO percentile and
-changes the pools for the next one. A flip or an added engine counts from the next interval:
+changes the tiers for the next one. A flip or an added engine counts from the next interval:
 engines do not load in the replay, and queues do not carry over between intervals (each
 interval starts empty), which flatters both runs alike; the comparison, not the absolute
 figure, is the point. The planner predicts with the profile: before removing an engine it
-simulates the interval it just saw on the smaller pools, and keeps the engine if they would
+simulates the interval it just saw on the smaller tiers, and keeps the engine if they would
 miss an SLO.
 
 Goodput per GPU = requests that met both SLOs / the trace's seconds / the mean GPUs held.
@@ -36,7 +36,7 @@ class Phase:
 
 @dataclass(slots=True)
 class Replay:
-    """One run over the trace: per interval its pools, figures and the planner's decision."""
+    """One run over the trace: per interval its tiers, figures and the planner's decision."""
 
     planner: bool
     start: ClusterSpec
@@ -76,7 +76,7 @@ def trace(phases: list[Phase], rate: float, burstiness: float, seed: int
 def replay(profile: Profile, limits: EngineLimits, slo: SLO, phases: list[Phase], rate: float,
            start: ClusterSpec, interval_s: float, settings: PlannerSettings | None,
            burstiness: float = 1.0, seed: int = 0) -> Replay:
-    """Run the trace interval by interval; with `settings`, the planner changes the pools."""
+    """Run the trace interval by interval; with `settings`, the planner changes the tiers."""
     arrivals, lengths = trace(phases, rate, burstiness, seed)
     total = sum(p.seconds for p in phases)
     current: dict = {}          # the interval being decided on: its arrivals and lengths
@@ -96,7 +96,7 @@ def replay(profile: Profile, limits: EngineLimits, slo: SLO, phases: list[Phase]
                                    current["lengths"], rate)
         out.met, out.requests = out.met + met, out.requests + len(idx)
         out.gpu_seconds += spec.num_gpus * (hi - lo)
-        row = {"start_s": lo, "pools": str(spec), "gpus": spec.num_gpus,
+        row = {"start_s": lo, "tiers": str(spec), "gpus": spec.num_gpus,
                "requests": len(idx), "met": met, "ttft": _finite(stats.ttft),
                "tpot": _finite(stats.tpot)}
         if planner is not None:
@@ -113,7 +113,7 @@ def interval_predictor(profile: Profile, limits: EngineLimits, slo: SLO,
                        lengths: list[tuple[int, int]]) -> Predict:
     """The planner's `predict`: TTFT and TPOT at the SLO percentile of one interval's
     requests (arrival seconds from the interval's start, (input, output) lengths) simulated
-    on other pools. The live planner (router/planner_loop.py) uses it on what routers
+    on other tiers. The live planner (router/control/planner_loop.py) uses it on what routers
     measured, the replay on its trace."""
     rate = len(lengths) / max(float(arrivals.max()), 1e-3) if len(lengths) else 1.0
 
@@ -126,7 +126,7 @@ def interval_predictor(profile: Profile, limits: EngineLimits, slo: SLO,
 
 
 def apply(spec: ClusterSpec, action: Action) -> ClusterSpec:
-    """The pools after one planner action."""
+    """The tiers after one planner action."""
     p, d = spec.num_prefill, spec.num_decode
     p, d = {Action.ADD_PREFILL: (p + 1, d), Action.ADD_DECODE: (p, d + 1),
             Action.REMOVE_PREFILL: (p - 1, d), Action.REMOVE_DECODE: (p, d - 1),

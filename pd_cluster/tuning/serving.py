@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from pd_cluster.benchmark.client import NO_TEXT, Endpoint, RequestRecord, send
 from pd_cluster.benchmark.loadgen import make_prompt
+from pd_cluster.role import Role
 from pd_cluster.tuning.profile import LatencyModel, Profile, ServingOverhead
 from pd_cluster.tuning.simulator import ClusterSpec, EngineLimits, Simulator
 from pd_cluster.tuning.workload import arrival_times
@@ -74,7 +75,7 @@ def served_shape(base_url: str, timeout: float = 10.0) -> ClusterSpec:
         if line.startswith("pd_kv_blocks_used{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             engines.add((labels.get("role"), labels.get("replica")))
-    prefill = sum(role == "prefill" for role, _ in engines)
+    prefill = sum(role == Role.PREFILL for role, _ in engines)
     return ClusterSpec(prefill, max(1, len(engines) - prefill))
 
 

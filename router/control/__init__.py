@@ -5,7 +5,7 @@ The EngineController (controller.py, one Serve replica) resolves the model (mode
 runs the EngineFleet (fleet.py): it places each engine actor (placement.py), brings it up,
 joins it to the KV handoff, health-checks and restarts it, and publishes the Membership
 (membership.py) that every router replica long-polls. With `planner.enabled`, the
-PlannerLoop (planner_loop.py) resizes the pools from the routers' reports through drains,
-adds and role flips (pool_changes.py). The engines die with the controller, when Serve
+PlannerLoop (planner_loop.py) resizes the tiers from the routers' reports through drains,
+adds and role flips (tier_changes.py). The engines die with the controller, when Serve
 stops the application.
 """

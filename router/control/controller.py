@@ -11,7 +11,7 @@
                         replica keeps one open
     drain(role, id)     stop routing to a replica, wait until it is idle, stop it
     report(samples)     a router replica's finished requests, for the planner (when
-                        `planner.enabled`: router/control/planner_loop.py resizes the pools every
+                        `planner.enabled`: router/control/planner_loop.py resizes the tiers every
                         interval); answers with the planner's decisions so far
     planner_log()       the planner's recent decisions with their inputs
     (Serve stops it)    its engine actors die with it
@@ -42,12 +42,13 @@ from typing import Any
 
 from ray import serve
 
+from pd_cluster.role import Role
 from router.app_config import AppConfig
 from router.control.fleet import EngineFleet
 from router.control.membership import Membership, ModelInfo
 from router.control.model import model_dir, replica_engine
 from router.control.planner_loop import LatencySample, PlannerLoop, PlannerView, PlanRecord
-from router.control.pool_changes import RoleChange
+from router.control.tier_changes import RoleChange
 from router.log_setup import log_info
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class EngineController:
         return await self.fleet.wait_membership(since_version, min(timeout_s, LONGEST_POLL_S),
                                                 epoch)
 
-    async def drain(self, role: str, replica_id: int, timeout_s: float = 600.0) -> Membership:
+    async def drain(self, role: Role, replica_id: int, timeout_s: float = 600.0) -> Membership:
         await self._info
         return await self.fleet.drain(role, replica_id, timeout_s)
 

@@ -20,8 +20,8 @@ A slot is a (role, replica id); its states are ReplicaState's (router/control/me
     restart    (supervised) a DEAD slot gets a new actor (PENDING) after a backoff that
                doubles with each death soon after a start, RESTART_BACKOFF_S to
                MAX_BACKOFF_S; a replica that served STABLE_AFTER_S starts over at the base
-    changes    drain, add, flip (router/control/pool_changes.py): pools resized and engines moved
-               between roles, no request failing
+    changes    drain, add, flip (router/control/tier_changes.py): tiers resized and engines
+               moved between roles, no request failing
 Every change of a slot's state or actor bumps the version and wakes `membership` long polls.
 """
 from __future__ import annotations
@@ -37,17 +37,18 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from actors.messages import DECODE, PREFILL, ReplicaLoad
+from actors.messages import ReplicaLoad
+from pd_cluster.role import Role
 from router.control.membership import EngineMember, Membership, ReplicaState, check_transition
 from router.control.placement import ray_actor_placed, unplaced_reason
-from router.control.pool_changes import PoolChanges, short_reason as _reason
+from router.control.tier_changes import TierChanges, short_reason as _reason
 
 logger = logging.getLogger(__name__)
 
 PLACEMENT_CHECK_S = 2.0
 UNPLACED_REPORT_S = 5.0       # "within seconds": well inside the 30 s a user waits at most
 HEALTH_PERIOD_S = 1.0
-HEALTH_TIMEOUT_S = PoolChanges.answer_timeout_s  # a busy engine's event loop answers within
+HEALTH_TIMEOUT_S = TierChanges.answer_timeout_s  # a busy engine's event loop answers within
 HEALTH_FAILURES = 3
 RESTART_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
@@ -56,7 +57,7 @@ STABLE_AFTER_S = 60.0
 
 @dataclass(eq=False)
 class _Slot:
-    role: str
+    role: Role
     replica_id: int
     resources: dict[str, Any]
     state: ReplicaState = ReplicaState.PENDING
@@ -74,7 +75,7 @@ class _Slot:
     task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
-    def key(self) -> tuple[str, int]:
+    def key(self) -> tuple[Role, int]:
         return self.role, self.replica_id
 
     @property
@@ -87,28 +88,28 @@ class _Slot:
                             self.detail)
 
 
-class EngineFleet(PoolChanges):
+class EngineFleet(TierChanges):
     """See the module docstring. `spawn(role, replica_id)` makes a new actor for a slot (None
     for a fleet of adopted actors, which cannot restart any)."""
 
-    def __init__(self, mode: str, targets: Mapping[str, int], handoff: Any,
-                 resources: Mapping[str, dict[str, Any]], spawn: Any = None,
+    def __init__(self, mode: str, targets: Mapping[Role, int], handoff: Any,
+                 resources: Mapping[Role, dict[str, Any]], spawn: Any = None,
                  supervise: bool = True) -> None:
         self.mode, self.handoff, self.spawn_actor = mode, handoff, spawn
-        self.resources = {role: dict(r) for role, r in resources.items()}
-        self.targets = {role: n for role, n in targets.items() if n}
+        self.resources = {Role.parse(role): dict(r) for role, r in resources.items()}
+        self.targets = {Role.parse(role): n for role, n in targets.items() if n}
         self.supervise = supervise and spawn is not None
         self.version, self.epoch = 0, uuid.uuid4().hex[:12]
-        self.slots = {(role, i): _Slot(role, i, dict(resources.get(role, {})))
+        self.slots = {(role, i): _Slot(role, i, dict(self.resources.get(role, {})))
                       for role, n in self.targets.items() for i in range(n)}
         self._changed: asyncio.Event | None = None
         self._join_lock: asyncio.Lock | None = None
         self._supervisor: asyncio.Task | None = None
         self.started = False
-        self.role_changes: list = []      # RoleChange (router/control/pool_changes.py), in order
+        self.role_changes: list = []      # RoleChange (router/control/tier_changes.py), in order
 
     @classmethod
-    def for_app(cls, config: Any, engine: Any, actor_options: Mapping[str, dict[str, Any]],
+    def for_app(cls, config: Any, engine: Any, actor_options: Mapping[Role, dict[str, Any]],
                 supervise: bool = True) -> EngineFleet:
         """The fleet of an application's config (AppConfig): its mode's actors and handoff,
         `actor_options[role]` for each replica; actors are made when it starts."""
@@ -120,7 +121,7 @@ class EngineFleet(PoolChanges):
             handoff = (PoolHandoff(timeout, config.kv_pool) if config.mode == "pooled"
                        else PushHandoff())
 
-        def spawn(role: str, replica_id: int) -> Any:
+        def spawn(role: Role, replica_id: int) -> Any:
             options = {**actor_options[role], "max_restarts": 0}
             role_engine = config.role_engine(engine, role)   # its tensor-parallel size
             if config.mode == "colocated":
@@ -130,15 +131,16 @@ class EngineFleet(PoolChanges):
             from actors.engine_actor import EngineActor
             return EngineActor.options(**options).remote(role_engine, role, replica_id,
                                                          config.transport, timeout)
-        return cls(config.mode, {PREFILL: config.num_prefill, DECODE: config.num_decode},
+        return cls(config.mode, {Role.PREFILL: config.num_prefill,
+                                 Role.DECODE: config.num_decode},
                    handoff, actor_options, spawn, supervise)
 
     @classmethod
     def adopt(cls, mode: str, prefill: Sequence[Any], decode: Sequence[Any],
               handoff: Any = None) -> EngineFleet:
         """A fleet over actors already created (tests, benchmarks); never restarts them."""
-        fleet = cls(mode, {PREFILL: len(prefill), DECODE: len(decode)}, handoff, {})
-        for role, actors in ((PREFILL, prefill), (DECODE, decode)):
+        fleet = cls(mode, {Role.PREFILL: len(prefill), Role.DECODE: len(decode)}, handoff, {})
+        for role, actors in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
             for i, actor in enumerate(actors):
                 slot = fleet.slots[(role, i)]
                 slot.actor, slot.actor_id = actor, actor._actor_id.hex()
@@ -206,7 +208,7 @@ class EngineFleet(PoolChanges):
             self._supervisor = loop.create_task(self._supervise())
         self.started = True
 
-    def _new_slot(self, role: str, resources: dict[str, Any], replica_id: int | None = None
+    def _new_slot(self, role: Role, resources: dict[str, Any], replica_id: int | None = None
                   ) -> _Slot:
         slot = _Slot(role, self._next_id(role) if replica_id is None else replica_id,
                      dict(resources))
@@ -214,7 +216,7 @@ class EngineFleet(PoolChanges):
         self.targets[role] = self.targets.get(role, 0) + 1
         return slot
 
-    def _next_id(self, role: str) -> int:
+    def _next_id(self, role: Role) -> int:
         """Replica ids are never reused: a router may still hold the old one's state."""
         return 1 + max((i for r, i in self.slots if r == role), default=-1)
 
@@ -298,9 +300,8 @@ class EngineFleet(PoolChanges):
                 self._died(slot, f"failed to join the KV handoff: {e!r}")
 
     def _peers(self, slot: _Slot) -> list[tuple[Any, bytes]]:
-        other = DECODE if slot.role == PREFILL else PREFILL
         return [(s.actor, s.descriptor) for s in self.slots.values()
-                if s.role == other and s.state is ReplicaState.READY and s.descriptor]
+                if s.role == slot.role.other and s.state is ReplicaState.READY and s.descriptor]
 
     def _lock(self) -> asyncio.Lock:
         # Replicas join one at a time: each sees every peer that joined before it.

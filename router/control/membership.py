@@ -28,9 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.messages import DECODE, PREFILL, ReplicaLoad
+from actors.messages import ReplicaLoad
+from pd_cluster.role import Role
 
-Key = tuple[str, int]     # (role, replica id)
+Key = tuple[Role, int]    # (role, replica id)
 
 
 class ReplicaState(str, enum.Enum):
@@ -64,8 +65,8 @@ def check_transition(old: ReplicaState, new: ReplicaState) -> None:
         raise ValueError(f"replica state {old} cannot become {new}")
 
 
-class PoolState(str, enum.Enum):
-    """A role's replicas as a whole, as /health reports them."""
+class TierState(str, enum.Enum):
+    """A tier (the replicas of one role) as a whole, as /health reports it."""
 
     READY = "ready"          # every wanted replica is READY
     DEGRADED = "degraded"    # some are READY, not all: it serves, with less capacity
@@ -79,7 +80,7 @@ class PoolState(str, enum.Enum):
 class EngineMember:
     """One replica slot as the controller last saw it."""
 
-    role: str                         # PREFILL | DECODE (colocated engines are DECODE)
+    role: Role                        # colocated engines are DECODE replicas
     replica_id: int
     state: ReplicaState
     actor: Any = None                 # its Ray actor handle (None when there is no live one)
@@ -113,7 +114,7 @@ class Membership:
 
     version: int
     mode: str                                # AppConfig.mode
-    targets: dict[str, int]                  # wanted replicas per role
+    targets: dict[Role, int]                 # wanted replicas per role (its tier's size)
     members: tuple[EngineMember, ...] = ()
     handoff: Any = None                      # the KVHandoff the engines run (None: colocated)
     epoch: str = ""
@@ -121,30 +122,33 @@ class Membership:
     def newer_than(self, other: Membership | None) -> bool:
         return other is None or self.epoch != other.epoch or self.version > other.version
 
-    def of(self, role: str) -> list[EngineMember]:
+    def of(self, role: Role) -> list[EngineMember]:
         return sorted((m for m in self.members if m.role == role), key=lambda m: m.replica_id)
 
-    def ready(self, role: str) -> list[EngineMember]:
+    def ready(self, role: Role) -> list[EngineMember]:
         return [m for m in self.of(role) if m.state is ReplicaState.READY]
 
-    def roles(self) -> list[str]:
-        return [r for r in (PREFILL, DECODE) if self.targets.get(r)]
+    def roles(self) -> list[Role]:
+        """The roles with a tier (some replicas wanted), prefill first."""
+        return [r for r in Role if self.targets.get(r)]
 
-    def pool_state(self, role: str) -> PoolState:
+    def tier_state(self, role: Role) -> TierState:
         ready = len(self.ready(role))
         if ready == 0:
-            return PoolState.PENDING
-        return PoolState.READY if ready >= self.targets.get(role, 0) else PoolState.DEGRADED
+            return TierState.PENDING
+        return TierState.READY if ready >= self.targets.get(role, 0) else TierState.DEGRADED
 
     def serving(self) -> bool:
-        """Whether every role has a READY replica (requests can be served)."""
-        return all(self.pool_state(r) is not PoolState.PENDING for r in self.roles())
+        """Whether every tier has a READY replica (requests can be served)."""
+        return all(self.tier_state(r) is not TierState.PENDING for r in self.roles())
 
-    def pools(self) -> dict[str, dict[str, Any]]:
-        """Per role: state, ready / wanted counts, each replica's summary (/health)."""
-        return {role: {"state": str(self.pool_state(role)), "ready": len(self.ready(role)),
-                       "target": self.targets.get(role, 0),
-                       "replicas": [m.summary() for m in self.of(role)]}
+    def tiers(self) -> dict[str, dict[str, Any]]:
+        """Per tier, by role: its state, ready / wanted counts and each replica's summary
+        (/health)."""
+        return {str(role): {"state": str(self.tier_state(role)),
+                            "ready": len(self.ready(role)),
+                            "target": self.targets.get(role, 0),
+                            "replicas": [m.summary() for m in self.of(role)]}
                 for role in self.roles()}
 
 
@@ -164,7 +168,7 @@ class ReplicaTable:
 
     def __init__(self) -> None:
         # By replica id: ids are not dense once the planner adds, removes or flips replicas.
-        self.actors: dict[str, dict[int, Any]] = {PREFILL: {}, DECODE: {}}
+        self.actors: dict[Role, dict[int, Any]] = {role: {} for role in Role}
         self.membership: Membership | None = None
         self._ids: dict[Key, str] = {}
         self._usable: set[Key] = set()
@@ -175,7 +179,7 @@ class ReplicaTable:
         if not membership.newer_than(self.membership):
             return False
         self.membership = membership
-        self.actors = {PREFILL: {}, DECODE: {}}
+        self.actors = {role: {} for role in Role}
         self._usable = set()
         for m in membership.members:
             if m.actor is not None and m.state in (ReplicaState.READY, ReplicaState.DRAINING):
@@ -201,14 +205,14 @@ class ReplicaTable:
     def available(self) -> set[Key]:
         return set(self._usable)
 
-    def live(self, role: str, exclude: int | None = None) -> list[int]:
+    def live(self, role: Role, exclude: int | None = None) -> list[int]:
         return sorted(i for r, i in self._usable if r == role and i != exclude)
 
-    def by_id(self, role: str) -> list[Any]:
+    def by_id(self, role: Role) -> list[Any]:
         """The actors of `role` this membership holds (READY or DRAINING), by replica id."""
         return [a for _, a in sorted(self.actors[role].items())]
 
     def keyed(self) -> list[tuple[Key, Any]]:
         """(key, handle) of every usable replica: prefill ones first, by replica id."""
         return [((r, i), self.actors[r][i])
-                for r, i in sorted(self._usable, key=lambda k: (k[0] != PREFILL, k[1]))]
+                for r, i in sorted(self._usable, key=lambda k: (k[0] != Role.PREFILL, k[1]))]

@@ -1,9 +1,9 @@
 """PlannerLoop: the P:D planner (pd_cluster/planner.py) applied to an application's live
-pools, inside the engine controller.
+tiers, inside the engine controller.
 
     report(samples)     router replicas send what they measured of each finished request
                         (LatencySample: TTFT, TPOT, lengths), every REPORT_EVERY_S
-    every interval_s    the interval's samples → TTFT and TPOT at the SLO percentile, the pool
+    every interval_s    the interval's samples → TTFT and TPOT at the SLO percentile, the tier
                         sizes (the fleet's targets) and the engines' own load (queues, KV use,
                         from the health checks) → one Decision, logged with its inputs
                         (PlanRecord) and counted by action. While a change is still being made
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from actors.messages import DECODE, PREFILL
 from pd_cluster.planner import Action, Decision, IntervalStats, Planner, PlannerSettings, Predict
+from pd_cluster.role import Role
 from router.control.fleet import EngineFleet
 from router.control.membership import ReplicaState
 
@@ -58,7 +58,7 @@ class PlanRecord:
     action: str
     reason: str
     stats: dict[str, Any]                       # IntervalStats' fields
-    loads: dict[str, dict[str, float]] = field(default_factory=dict)  # per role, its engines
+    loads: dict[Role, dict[str, float]] = field(default_factory=dict)  # per role, its engines
     applied: str = ""                           # what the change did, once done
 
 
@@ -141,14 +141,14 @@ class PlannerLoop:
             self._change = asyncio.get_running_loop().create_task(self._apply(decision.action))
         return record
 
-    def _stats(self, samples: list[LatencySample], loads: dict[str, dict[str, float]]
+    def _stats(self, samples: list[LatencySample], loads: dict[Role, dict[str, float]]
                ) -> IntervalStats:
-        p, d = (self.fleet.targets.get(PREFILL, 0), self.fleet.targets.get(DECODE, 0))
-        pool = lambda role, key: loads.get(role, {}).get(key, math.nan)  # noqa: E731
-        engines = dict(prefill_waiting=pool(PREFILL, "waiting"),
-                       decode_waiting=pool(DECODE, "waiting"),
-                       prefill_kv_usage=pool(PREFILL, "kv_usage"),
-                       decode_kv_usage=pool(DECODE, "kv_usage"))
+        p, d = (self.fleet.targets.get(Role.PREFILL, 0), self.fleet.targets.get(Role.DECODE, 0))
+        tier = lambda role, key: loads.get(role, {}).get(key, math.nan)  # noqa: E731
+        engines = dict(prefill_waiting=tier(Role.PREFILL, "waiting"),
+                       decode_waiting=tier(Role.DECODE, "waiting"),
+                       prefill_kv_usage=tier(Role.PREFILL, "kv_usage"),
+                       decode_kv_usage=tier(Role.DECODE, "kv_usage"))
         if not samples:
             return IntervalStats(p, d, math.nan, math.nan, 0, **engines)
         tpots = [s.tpot for s in samples if not math.isnan(s.tpot)]
@@ -165,10 +165,10 @@ class PlannerLoop:
         return self.predictor(np.array([s.arrived - first for s in samples]),
                               [(s.prompt_tokens, s.output_tokens) for s in samples])
 
-    def _loads(self) -> dict[str, dict[str, float]]:
+    def _loads(self) -> dict[Role, dict[str, float]]:
         """Per role, its READY engines' queues and KV use (the health checks' reports)."""
-        out: dict[str, dict[str, float]] = {}
-        for role in (PREFILL, DECODE):
+        out: dict[Role, dict[str, float]] = {}
+        for role in Role:
             loads = [s.load for s in self.fleet.slots.values() if s.role == role
                      and s.state is ReplicaState.READY and s.load is not None]
             if loads:
@@ -180,7 +180,7 @@ class PlannerLoop:
         return out
 
     async def _apply(self, action: Action) -> None:
-        fleet, role = self.fleet, PREFILL if "prefill" in action.value else DECODE
+        fleet, role = self.fleet, action.role
         try:
             if action in (Action.ADD_PREFILL, Action.ADD_DECODE):
                 done = f"started {'-'.join(map(str, fleet.add(role)))}"
@@ -189,7 +189,7 @@ class PlannerLoop:
                 await fleet.drain(role, victim, self.drain_timeout_s)
                 done = f"drained and stopped {role}-{victim}"
             else:       # a flip to `role` takes an engine of the other role
-                other = DECODE if role == PREFILL else PREFILL
+                other = role.other
                 victim = self._least_busy(other)
                 new = await fleet.flip(other, victim, self.drain_timeout_s)
                 done = (f"{other}-{victim} is now {new[0]}-{new[1]}" if new
@@ -207,7 +207,7 @@ class PlannerLoop:
                 self.log[i] = PlanRecord(r.at, r.action, r.reason, r.stats, r.loads, done)
                 return
 
-    def _least_busy(self, role: str) -> int:
+    def _least_busy(self, role: Role) -> int:
         ready = [s for s in self.fleet.slots.values()
                  if s.role == role and s.state is ReplicaState.READY]
         if not ready:
@@ -220,7 +220,7 @@ class PlannerLoop:
 def profile_predictor(path: str, settings: PlannerSettings, percentile: float, engine: Any
                       ) -> Any:
     """`predictor` from a `pd-cluster profile` file: an interval's requests simulated on
-    other pools (pd_cluster/tuning/replay.py interval_predictor)."""
+    other tiers (pd_cluster/tuning/replay.py interval_predictor)."""
     from pd_cluster.tuning.profile import Profile
     from pd_cluster.tuning.replay import interval_predictor
     from pd_cluster.tuning.simulator import EngineLimits

@@ -1,10 +1,10 @@
-"""PoolChanges: the EngineFleet's (router/control/fleet.py) changes to its pools' sizes and
-roles, made so that no request fails: the engine controller's planner
+"""TierChanges: the EngineFleet's (router/control/fleet.py) changes to its tiers' sizes and
+its engines' roles, made so that no request fails: the engine controller's planner
 (router/control/planner_loop.py) and an operator's drain call them.
 
     drain(role, id)   DRAINING: routers stop sending it requests; once it runs and holds
                       nothing (or at the timeout) it is killed → RETIRED, and never restarted;
-                      its pool's target shrinks by one
+                      its tier's target shrinks by one
     add(role)         a new slot of a role (the next unused replica id) → spawned like any;
                       the target grows by one
     flip(role, id)    DRAINING until idle, then the actor changes roles (EngineActor.set_role,
@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.messages import DECODE, PREFILL, ReplicaLoad
+from actors.messages import ReplicaLoad
+from pd_cluster.role import Role
 from router.control.membership import ReplicaState
 
 logger = logging.getLogger("router.control.fleet")
@@ -35,23 +36,24 @@ DRAIN_POLL_S = 0.25
 class RoleChange:
     """One replica's change of roles, as `flip` made it."""
 
-    old: tuple[str, int]            # its slot before (RETIRED)
-    new: tuple[str, int]            # its slot after
+    old: tuple[Role, int]           # its slot before (RETIRED)
+    new: tuple[Role, int]           # its slot after
     actor_id: str                   # the same actor in both
     idle: ReplicaLoad               # its report once drained (its prefix cache still full)
-    switched: ReplicaLoad           # its report at the switch: the KV pool empty
+    switched: ReplicaLoad           # its report at the switch: its KV cache empty
     seconds: float                  # from drained to switched
 
 
-class PoolChanges:
+class TierChanges:
     """Mixed into EngineFleet: uses its slots, targets, and its slot bookkeeping and state
     changes (`_new_slot`, `_next_id`, `_set`, `_spawn`, `_bring_up`, `_kill`)."""
 
     answer_timeout_s = 10.0       # the longest wait for one answer of an engine actor
 
-    async def drain(self, role: str, replica_id: int, timeout_s: float = 600.0) -> Membership:
+    async def drain(self, role: Role, replica_id: int, timeout_s: float = 600.0) -> Membership:
         """Stop routing to a replica, wait until it runs and holds nothing (at most
-        `timeout_s`), stop it: RETIRED. The pool's target shrinks by one."""
+        `timeout_s`), stop it: RETIRED. Its tier's target shrinks by one."""
+        role = Role.parse(role)
         slot = self.slots[(role, replica_id)]
         if slot.state is not ReplicaState.RETIRED:
             self.targets[role] = max(0, self.targets.get(role, 0) - 1)
@@ -63,23 +65,25 @@ class PoolChanges:
             self._set(slot, ReplicaState.RETIRED, "drained and stopped")
         return self.membership()
 
-    def add(self, role: str) -> tuple[str, int]:
+    def add(self, role: Role) -> tuple[Role, int]:
         """A new replica of `role` (a new actor, placed by Ray: on a cluster with an
-        autoscaler, a node is added when none has room); the pool's target grows by one."""
+        autoscaler, a node is added when none has room); its tier's target grows by one."""
+        role = Role.parse(role)
         slot = self._new_slot(role, dict(self.resources.get(role, {})))
         self._spawn(slot)
         return slot.key
 
-    async def flip(self, role: str, replica_id: int, timeout_s: float = 600.0
-                   ) -> tuple[str, int] | None:
+    async def flip(self, role: Role, replica_id: int, timeout_s: float = 600.0
+                   ) -> tuple[Role, int] | None:
         """Move a READY replica to the other role without reloading its model: routers stop
         sending it `role` work (DRAINING), it finishes what it has (at most `timeout_s`; a
         replica still busy then goes back to READY, and None is returned), it switches
-        (EngineActor.set_role: its KV pool emptied) and its slot is RETIRED; a new slot of
+        (EngineActor.set_role: its KV cache emptied) and its slot is RETIRED; a new slot of
         the other role adopts the same actor and joins the KV handoff like a started one.
         Returns the new slot's key."""
+        role = Role.parse(role)
         slot = self.slots[(role, replica_id)]
-        other = DECODE if role == PREFILL else PREFILL
+        other = role.other
         new_id = self._next_id(other)
         idle = await self._wait_idle(slot, f"changing to {other}-{new_id}: no new "
                                      f"{role} requests", timeout_s)

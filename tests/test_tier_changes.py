@@ -1,9 +1,9 @@
-"""The fleet's pool changes (router/pool_changes.py) with real Ray actors and NIXL over host
+"""The fleet's tier changes (router/control/tier_changes.py) with real Ray actors and NIXL over host
 memory: a prefill replica becomes a decode one and back under load (EngineActor.set_role
 through EngineFleet.flip), with no failed request, outputs equal to colocated, the same
 actor and no model reload, its KV cache empty before the new role starts; a busy replica
 refuses to switch; an added decode replica joins the KV handoff and serves. (Drains:
-tests/test_disagg_actors.py; the planner making these changes: tests/test_elastic_pools.py.)"""
+tests/test_disagg_actors.py; the planner making these changes: tests/test_elastic_tiers.py.)"""
 from __future__ import annotations
 
 import asyncio

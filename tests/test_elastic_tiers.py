@@ -1,7 +1,7 @@
-"""Elastic P:D pools through the real `serve run configs/pd.yaml`: four engine replicas of the
-bundled model with the planner on (router/planner_loop.py), driven over HTTP.
+"""Elastic P:D tiers through the real `serve run configs/pd.yaml`: four engine replicas of the
+bundled model with the planner on (router/control/planner_loop.py), driven over HTTP.
 
-- a decode-heavy load (short prompts, long outputs) moves the pools toward more decode, then a
+- a decode-heavy load (short prompts, long outputs) moves the tiers toward more decode, then a
   prompt-heavy one (long prompts, two-token outputs) back toward more prefill, within a few
   intervals each: the budget of four replicas is spent, so the planner flips engines' roles;
   no request fails and every greedy output equals the colocated engine's (the offline LLM);
@@ -30,7 +30,7 @@ INTERVAL_S = 4.0
 # under the other's (measured: see the planner log the test prints on failure).
 TTFT_MS, TPOT_MS = 3000.0, 150.0
 # No prefix cache, so clients may repeat prompts and still load the engines as distinct ones
-# would (tests/test_pool_changes.py checks that a role change empties the prefix cache).
+# would (tests/test_tier_changes.py checks that a role change empties the prefix cache).
 ARGS = {"mode": "disaggregated", "num_prefill": 2, "num_decode": 2,
         "engine": {"model": "default", "kv_cache_memory_gb": 0.25, "max_num_seqs": 64,
                    "enable_prefix_caching": False},
@@ -38,7 +38,7 @@ ARGS = {"mode": "disaggregated", "num_prefill": 2, "num_decode": 2,
                     "percentile": 50, "interval_s": INTERVAL_S, "cooldown_s": 2 * INTERVAL_S,
                     "calm_intervals": 1000, "drain_timeout_s": 120}}
 NUM_CPUS = 6                      # Ray's accounting: 4 engines and a router; 2 real cores
-PHASE_S = 240.0                   # longest a phase may take to move the pools
+PHASE_S = 240.0                   # longest a phase may take to move the tiers
 # Each distinct request is regenerated offline for the comparison (most of the module's time
 # on 2 cores): short outputs, and the clients share a few prompts, over and over. The
 # decode-heavy phase's concurrency, not its prompts or output length, pushes TPOT over its
@@ -83,7 +83,7 @@ async def complete(client: httpx.AsyncClient, url: str, ids: list[int], max_toke
 
 def targets(url: str) -> dict[str, int]:
     _, body = health(url)
-    return {role: pool["target"] for role, pool in (body or {}).get("pools", {}).items()}
+    return {role: tier["target"] for role, tier in (body or {}).get("tiers", {}).items()}
 
 
 def drive(url: str, phase: tuple[int, int, int, int], tag: int, until, limit_s: float
@@ -158,7 +158,7 @@ def colocated_texts(llm, results: list[dict]) -> list[str]:
     return [text[(tuple(r["ids"]), r["max_tokens"])] for r in results]
 
 
-def test_pools_follow_a_shifting_load_with_role_flips(colocated, server: str):
+def test_tiers_follow_a_shifting_load_with_role_flips(colocated, server: str):
     began = time.monotonic()
     decode_heavy = drive(server, DECODE_HEAVY, 0, lambda t: t.get("decode", 0) >= 3, PHASE_S)
     after_decode_heavy, first_s = targets(server), time.monotonic() - began
@@ -187,7 +187,7 @@ def test_pools_follow_a_shifting_load_with_role_flips(colocated, server: str):
     assert "decode" in flip.loads and "kv_usage" in flip.loads["decode"]
 
     # The flipped replicas: same actors, one model load each, no KV block in use at the
-    # switch (with no prefix cache here, none is cached either: tests/test_pool_changes.py
+    # switch (with no prefix cache here, none is cached either: tests/test_tier_changes.py
     # checks that a switch drops the cached ones).
     assert len(changes) >= 2
     members = controller().membership.remote().result(timeout_s=30).members
@@ -208,7 +208,7 @@ def test_pools_follow_a_shifting_load_with_role_flips(colocated, server: str):
 
 
 def test_removing_a_prefill_replica_while_requests_stream_fails_none(server: str, colocated):
-    prefill = [r for r in health(server)[1]["pools"]["prefill"]["replicas"]
+    prefill = [r for r in health(server)[1]["tiers"]["prefill"]["replicas"]
                if r["state"] == "ready"]
     assert len(prefill) >= 2, prefill
     victim = int(prefill[-1]["replica"].split("-")[1])
@@ -229,9 +229,9 @@ def test_removing_a_prefill_replica_while_requests_stream_fails_none(server: str
     assert all(r["finish"] == "length" for r in results)
     states = {(m.role, m.replica_id): str(m.state) for m in membership.members}
     assert states[("prefill", victim)] == "retired"
-    # The victim serves no more. (The pools' targets are not counted: the planner, on during
+    # The victim serves no more. (The tiers' targets are not counted: the planner, on during
     # this module, may spend the freed replica or flip another's role meanwhile.)
-    ready = [r["replica"] for r in health(server)[1]["pools"]["prefill"]["replicas"]
+    ready = [r["replica"] for r in health(server)[1]["tiers"]["prefill"]["replicas"]
              if r["state"] == "ready"]
     assert f"prefill-{victim}" not in ready, ready
     assert [r["text"] for r in results] == colocated_texts(colocated, results)
