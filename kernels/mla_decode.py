@@ -42,7 +42,7 @@ import triton.language as tl
 
 from kernels.decode_attention import (PROGRAMS_PER_SM, _decode_stage2_kernel, _num_sms,
                                       _split_len, choose_num_splits)
-from kernels.paged import LAZY_LOG2, paged_token_offsets
+from kernels.paged import lazy_softmax_tile, paged_token_offsets
 from kernels.pdl import pdl_args, wait_for_inputs
 
 # Launch defaults, chosen from the sm90 compile (registers by cuobjdump), not yet by timing on
@@ -83,16 +83,9 @@ def _attend_latent_range(acc, m_i, l_i, q_lat, q_pe, KVCache, table_row, start, 
         qk = tl.dot(q_pe, tl.trans(k_pe), qk) * qk_scale
         if BOUNDS:
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        # Every chunk's first tile holds a position, so m_new is finite from the first tile.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if tl.max(m_new - m_i, 0) > LAZY_LOG2:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(qk - m_i[:, None])
-        acc = tl.dot(p.to(c.dtype), c, acc)
-        l_i = l_i + tl.sum(p, 1)
+        # Every chunk's first tile holds a position, so the running max is finite from the
+        # first tile; V is the latent itself.
+        acc, m_i, l_i = lazy_softmax_tile(acc, m_i, l_i, qk, c)
     return acc, m_i, l_i
 
 

@@ -189,26 +189,35 @@ def attend_paged_range(acc, m_i, l_i, q, q_pos, KCache, VCache, table_row, head_
             qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
         # Callers ensure each row has seen a position by the end of its first tile, so
         # m_new stays finite (no -inf - -inf = NaN).
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
         if LAZY:
-            # Rescale only once some row's max has grown past LAZY_LOG2 since the last time:
-            # p then stays below 2 ** LAZY_LOG2 (exact in fp16 and fp32), and the tiles in
-            # between skip the acc * alpha multiplies (a quarter of a tile's float work).
-            if tl.max(m_new - m_i, 0) > LAZY_LOG2:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(qk - m_i[:, None])
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            l_i = l_i + tl.sum(p, 1)
+            acc, m_i, l_i = lazy_softmax_tile(acc, m_i, l_i, qk, v)
         else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def lazy_softmax_tile(acc, m_i, l_i, qk, v):
+    """One tile of an online softmax, rows = query heads: scores qk [rows, n] (log2 units),
+    values v [n, d] into acc [rows, d], running max m_i and sum l_i [rows].
+
+    Rescales only once some row's max has grown past LAZY_LOG2 since the last time: p then
+    stays below 2 ** LAZY_LOG2 (exact in fp16 and fp32), and the tiles in between skip the
+    acc * alpha multiplies (a quarter of a tile's float work)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if tl.max(m_new - m_i, 0) > LAZY_LOG2:
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(qk - m_i[:, None])
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_i, l_i + tl.sum(p, 1)
 
 
 @triton.jit
@@ -233,7 +242,7 @@ def attend_paged_range_t(acc_t, m_i, l_i, q_t, KCache, VCache, table_row, head_o
         if BOUNDS:
             s_t = tl.where(mask_n[:, None], s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        if tl.max(m_new - m_i, 0) > LAZY_LOG2:     # as attend_paged_range's LAZY
+        if tl.max(m_new - m_i, 0) > LAZY_LOG2:     # as lazy_softmax_tile, transposed
             alpha = tl.exp2(m_i - m_new)
             acc_t = acc_t * alpha[None, :]
             l_i = l_i * alpha
