@@ -1,7 +1,9 @@
 """Tensor parallelism in the engine, on the CPU (gloo, 2 ranks: rank 0 in this process, rank 1
 a child process): greedy output equals HF token for token with chunked prefill, prefix
-caching and preemption, for a GQA Llama, Qwen3 (q/k norm) and a model with one KV head (held
-by both ranks); a rank that dies fails the engine's next step instead of hanging it."""
+caching and preemption, for a GQA Llama, Qwen3 (q/k norm), a model with one KV head (held
+by both ranks) and mixtures of experts (each rank a slice of every expert, or with expert
+parallelism half the experts); a rank that dies fails the engine's next step instead of
+hanging it."""
 from __future__ import annotations
 
 import os
@@ -18,16 +20,21 @@ NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "qwen3_qknorm", "mistral"])
+@pytest.mark.parametrize("family, expert_parallel", [
+    ("llama_gqa", False), ("qwen3_qknorm", False), ("mistral", False), ("qwen3_moe", False),
+    ("qwen3_moe", True), ("mixtral", True)])
 def test_tp2_greedy_matches_hf_with_chunking_prefix_sharing_and_preemption(family,
+                                                                           expert_parallel,
                                                                            tiny_model_root):
     model_dir = make_tiny_model(family, tiny_model_root)
     prompts = mixed_prompts()
     expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
     # As tests/test_engine_matches_hf.py: chunks of 7 tokens, too few blocks for all 8.
     with LLM(model_dir, block_size=4, num_kv_blocks=30, max_num_batched_tokens=7,
-             tensor_parallel_size=2) as llm:
+             tensor_parallel_size=2, enable_expert_parallel=expert_parallel) as llm:
         assert llm.engine.runner.num_kv_heads == max(1, llm.engine.model_cfg.num_kv_heads // 2)
+        if expert_parallel:
+            assert llm.engine.runner.model.layers[0].mlp.experts.num_local == 2    # of 4
         outs = llm.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == expected
         stats = llm.engine.scheduler.stats
