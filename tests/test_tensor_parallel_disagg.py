@@ -1,7 +1,9 @@
 """Disaggregation between tensor-parallel engines of different degrees, with real Ray actors
 on the CPU (gloo ranks): P tp=2 -> D tp=1, P tp=1 -> D tp=2 and P tp=2 -> D tp=2 give the
 greedy output of a colocated TP=1 engine (and HF), in push mode over nixl and ray and in pooled
-mode; every KV block is free afterwards; a mapping that cannot work is refused at startup."""
+mode; every KV block is free afterwards; a mapping that cannot work is refused at startup. A
+mixture of experts too, expert parallel on its tp=2 side (P 1 -> D 2, P 2 -> D 1): the KV
+handoff depends on the attention layout alone."""
 from __future__ import annotations
 
 import asyncio
@@ -26,11 +28,12 @@ PROMPTS = [list(range(5, 70)), [7, 8, 9], list(range(5, 40)) + [1, 2]]
 OPTIONS = {"prefill": {"num_cpus": 0}, "decode": {"num_cpus": 0}}
 
 
-def serve(model_dir: str, mode: str, transport: str, p_tp: int, d_tp: int):
+def serve(model_dir: str, mode: str, transport: str, p_tp: int, d_tp: int, **engine):
+    """`engine`: EngineConfig fields besides the model and a small KV cache."""
     config = AppConfig.from_args({
         "mode": mode, "transport": transport, "prefill_tensor_parallel_size": p_tp,
         "decode_tensor_parallel_size": d_tp,
-        "engine": {"model": model_dir, "block_size": 16, "num_kv_blocks": 64}})
+        "engine": {"model": model_dir, "block_size": 16, "num_kv_blocks": 64, **engine}})
     client = start_client(config, config.engine, OPTIONS)
     asyncio.run(client.wait_ready(240))
     return client
@@ -53,23 +56,29 @@ def all_free(client) -> bool:
     return bool(loads) and all(ld.kv_blocks_used == 0 and ld.num_running == 0 for ld in loads)
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_model_root) -> tuple[str, list[list[int]]]:
-    model_dir = make_tiny_model("llama_gqa", tiny_model_root)
+def colocated_greedy(family: str, root: str) -> tuple[str, list[list[int]]]:
+    """The tiny model of `family` and a colocated TP=1 engine's greedy output (HF's)."""
+    model_dir = make_tiny_model(family, root)
     colocated = [o.outputs[0].token_ids for o in LLM(model_dir).generate(PROMPTS, GREEDY)]
     assert colocated == hf_greedy(model_dir, PROMPTS, GREEDY.max_tokens)
     return model_dir, colocated
 
 
-@pytest.mark.parametrize("mode, transport, p_tp, d_tp", [
-    ("disaggregated", "nixl", 2, 1), ("disaggregated", "nixl", 1, 2),
-    ("disaggregated", "nixl", 2, 2), ("disaggregated", "ray", 2, 1),
-    ("disaggregated", "ray", 1, 2), ("disaggregated", "ray", 2, 2), ("pooled", "nixl", 2, 1),
-    ("pooled", "nixl", 1, 2)])
-def test_tensor_parallel_degrees_may_differ_between_p_and_d(expected, mode, transport, p_tp,
-                                                           d_tp):
+@pytest.fixture(scope="module")
+def expected(tiny_model_root) -> tuple[str, list[list[int]]]:
+    return colocated_greedy("llama_gqa", tiny_model_root)
+
+
+@pytest.fixture(scope="module")
+def moe_expected(tiny_model_root) -> tuple[str, list[list[int]]]:
+    return colocated_greedy("qwen3_moe", tiny_model_root)
+
+
+def check_serves_colocated_output(expected: tuple[str, list[list[int]]], mode: str,
+                                  transport: str, p_tp: int, d_tp: int, **engine) -> None:
+    """P at p_tp ranks and D at d_tp give the colocated output, and free every block."""
     model_dir, colocated = expected
-    client = serve(model_dir, mode, transport, p_tp, d_tp)
+    client = serve(model_dir, mode, transport, p_tp, d_tp, **engine)
     try:
         ranks = ray.get([a.__ray_call__.remote(_ranks) for a in client.prefill + client.decode],
                         timeout=60)
@@ -79,6 +88,24 @@ def test_tensor_parallel_degrees_may_differ_between_p_and_d(expected, mode, tran
     finally:
         for actor in client.prefill + client.decode:
             ray.kill(actor)
+
+
+@pytest.mark.parametrize("mode, transport, p_tp, d_tp", [
+    ("disaggregated", "nixl", 2, 1), ("disaggregated", "nixl", 1, 2),
+    ("disaggregated", "nixl", 2, 2), ("disaggregated", "ray", 2, 1),
+    ("disaggregated", "ray", 1, 2), ("disaggregated", "ray", 2, 2), ("pooled", "nixl", 2, 1),
+    ("pooled", "nixl", 1, 2)])
+def test_tensor_parallel_degrees_may_differ_between_p_and_d(expected, mode, transport, p_tp,
+                                                           d_tp):
+    check_serves_colocated_output(expected, mode, transport, p_tp, d_tp)
+
+
+@pytest.mark.parametrize("transport, p_tp, d_tp", [
+    ("nixl", 1, 2), ("nixl", 2, 1), ("ray", 1, 2), ("ray", 2, 1)])
+def test_a_mixture_of_experts_may_split_its_experts_differently_on_p_and_d(
+        moe_expected, transport, p_tp, d_tp):
+    check_serves_colocated_output(moe_expected, "disaggregated", transport, p_tp, d_tp,
+                                  enable_expert_parallel=True)
 
 
 def test_a_mapping_that_cannot_work_is_refused_at_startup(tiny_model_root):
