@@ -25,8 +25,8 @@ def use_triton(enabled: bool) -> None:
     if not enabled:
         _kernels = _linear = None
         return
-    from kernels import activation, linear, rmsnorm
-    _kernels = (rmsnorm, activation)
+    from kernels import activation, fused_moe_triton, linear, rmsnorm
+    _kernels = (rmsnorm, activation, fused_moe_triton)
     _linear = linear.Dispatch()
 
 
@@ -114,6 +114,9 @@ def _activation(out, dtype: torch.dtype):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """A MoE layer's experts, kernels/fused_moe.py's contract: x [T, H] -> [T, H], the sum of
-    each token's top-k experts (those this rank holds) weighted by the router. The torch
-    reference for now, on every device: bit-exact with transformers' per-expert loop."""
+    each token's top-k experts (those this rank holds) weighted by the router. On a GPU the
+    Triton kernel (sorted by expert, no host sync, so CUDA graphs capture it); elsewhere the
+    torch reference, bit-exact with transformers' per-expert loop."""
+    if _fast(x):
+        return _kernels[2].fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, first_expert)
