@@ -1,5 +1,5 @@
-"""The `pd-cluster` command line: `generate`, `profile`, `profile-serving`, `tune`, `bench` and
-`helm-schema`."""
+"""The `pd-cluster` command line: `generate`, `profile`, `profile-serving`, `tune` and
+`bench`."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,6 @@ import json
 import sys
 
 from pd_cluster.benchmark.cli import add_bench
-from pd_cluster.helm_schema.cli import add_helm_schema
 from pd_cluster.tuning.cli import add_profile, add_profile_serving, add_tune
 
 
@@ -56,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     add_profile_serving(sub)
     add_tune(sub)
     add_bench(sub)
-    add_helm_schema(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

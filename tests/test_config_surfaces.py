@@ -2,8 +2,8 @@
 AppConfig, its `engine:` pd_cluster/config.py EngineConfig):
 
 - configs/pd.yaml's args validate and name every field of the tree;
-- helm/values.schema.json is what `pd-cluster helm-schema` generates from the tree (values are
-  the tree's paths in camelCase, some moved: pd_cluster/helm_schema/tree.py);
+- helm/values.schema.json is what `python -m router.helm_schema` generates from the tree (values are
+  the tree's paths in camelCase, some moved: router/helm_schema/tree.py);
 - the chart, rendered by a real helm, passes every exposed value through as the arg of the
   same path, and its default values are the tree's defaults.
 
@@ -23,12 +23,12 @@ from helm_binary import helm_binary
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from pd_cluster.cli import main
 from pd_cluster.config import EngineConfig
-from pd_cluster.helm_schema.generate import schema_text
-from pd_cluster.helm_schema.tree import COMPUTED, camel
-from pd_cluster.helm_schema.tree import value_path as top_value_path
 from router.app_config import AppConfig
+from router.helm_schema.__main__ import main as helm_schema_main
+from router.helm_schema.generate import schema_text
+from router.helm_schema.tree import COMPUTED, camel
+from router.helm_schema.tree import value_path as top_value_path
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm"
@@ -120,14 +120,14 @@ def test_the_tree_fields_are_described():
 def test_values_schema_is_the_one_generated_from_the_tree():
     committed = (CHART / "values.schema.json").read_text(encoding="utf-8")
     assert committed == schema_text(), ("helm/values.schema.json is not the generated one: run "
-                                        "`pd-cluster helm-schema --output "
+                                        "`python -m router.helm_schema --output "
                                         "helm/values.schema.json`")
 
 
 def test_helm_schema_command_prints_or_writes_the_generated_schema(tmp_path, capsys):
-    assert main(["helm-schema"]) == 0
+    assert helm_schema_main([]) == 0
     assert capsys.readouterr().out == schema_text()
-    assert main(["helm-schema", "--output", str(tmp_path / "schema.json")]) == 0
+    assert helm_schema_main(["--output", str(tmp_path / "schema.json")]) == 0
     assert (tmp_path / "schema.json").read_text(encoding="utf-8") == schema_text()
 
 

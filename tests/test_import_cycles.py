@@ -1,4 +1,5 @@
-"""The product packages' modules import one another without a cycle.
+"""The product packages' modules import one another without a cycle, and each package only
+the ones below it: router -> actors -> transfer -> pd_cluster -> kernels.
 
 A cycle hidden by a function-level import still couples the two modules both ways (neither
 can be read, tested or moved without the other), so every import counts here: at module
@@ -13,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pd_cluster", "actors", "transfer", "router", "kernels")
+LAYERS = ("kernels", "pd_cluster", "transfer", "actors", "router")   # each above the ones before
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -131,3 +133,12 @@ def test_no_import_cycles() -> None:
     assert len(graph) > 100, "the product modules were not found"
     found = tangles(graph)
     assert not found, "import cycles:\n" + "\n".join(describe(graph, t) for t in found)
+
+
+def test_each_package_imports_only_the_packages_below_it() -> None:
+    """The engine core (pd_cluster, no Ray) and the kernels stay usable without the serving
+    packages above them."""
+    layer = {package: i for i, package in enumerate(LAYERS)}
+    upward = sorted(f"  {m} -> {t}" for m, targets in import_graph().items() for t in targets
+                    if layer[t.split(".")[0]] > layer[m.split(".")[0]])
+    assert not upward, "imports of a package above:\n" + "\n".join(upward)

@@ -1,12 +1,12 @@
-"""helm/values.schema.json as `pd-cluster helm-schema` writes it: tree.py's part with chart.py's
+"""helm/values.schema.json as `python -m router.helm_schema` writes it: tree.py's part with chart.py's
 laid over it, as stable text (sorted keys, a final newline) that a test compares byte for byte
 with the committed file."""
 from __future__ import annotations
 
 import json
 
-from pd_cluster.helm_schema import chart
-from pd_cluster.helm_schema.tree import Schema, tree_properties
+from router.helm_schema import chart
+from router.helm_schema.tree import Schema, tree_properties
 
 
 def values_schema() -> Schema:
