@@ -2,7 +2,8 @@
 the engines on its node map into their own process, so moving a prompt's blocks between an
 engine's KV cache and the pool is a copy in the engine's process (GPU: cudaMemcpy between
 device memory and pinned host memory, ~50 GB/s on an H100 host) instead of UCX between GPU
-memory and another process's host memory (0.4-0.9 GB/s measured, bench/host_path_probe.py).
+memory and another process's host memory (0.4-0.9 GB/s measured by bench/host_path_probe.py,
+at commit 2d4c556).
 
     pool    SharedSegment.create(layout)  a file in /dev/shm, unlinked at once: it lives as
                                          long as some process has it open or mapped, so a

@@ -39,7 +39,7 @@ LAZY) keep the loop short.
 The designs measured and not kept (FP8 tensor cores for either dot, the whole loop on wgmma,
 K widened by PTX too, V pages stored transposed, int32-word loads, head-major or larger pages,
 a register double buffer) and the figures behind every choice here are logged in
-bench/results/README.md.
+bench/results/README.md as of commit 6987296 (the index is generated from the results since).
 """
 from __future__ import annotations
 

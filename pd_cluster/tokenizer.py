@@ -88,7 +88,8 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     # Deferred: transformers is slow to import and token-id-only engines never need it.
     if _plain_fast_tokenizer(model_dir):
         # What AutoTokenizer would build, without the model config and class lookup it does
-        # first: 1.1 s less in each new engine or router process (bench/tokenizer_load.py).
+        # first: 1.1 s less in each new engine or router process (bench/tokenizer_load.py at
+        # commit 6987296).
         from transformers import PreTrainedTokenizerFast as tokenizer_class
     else:
         from transformers import AutoTokenizer as tokenizer_class

@@ -1,5 +1,5 @@
-"""The serving benchmarks (`bench/serving_sweep.py`: pd_cluster/benchmark/sweep.py served
-through router/serving_bench.py) on the CPU with the default model, as the GPU runs use them:
+"""The serving benchmarks (`bench/serving_sweep.py`: bench/harness/sweep.py served through
+bench/serving_bench.py) on the CPU with the default model, as the GPU runs use them:
 `sweep` serves disaggregated 1P1D and one colocated engine, benches two rates on each and
 writes every field of sweep.json and a PNG; `validate` runs `pd-cluster tune` on a small
 CPU-like profile, serves its recommendation, benches it at the same rate and writes a
