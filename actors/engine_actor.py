@@ -4,13 +4,14 @@ able to change roles without reloading its model.
 Lifecycle of the actor (the engine controller drives it, router/fleet.py):
     __init__(config, role, id)  loads the model, starts the engine loop and a transport over
                                 the engine's KV cache (KVEndpoint); serves `role`
-    open_handoff(handoff, peers) the controller opens the deployment's KV handoff on it for
-                                its role (push, or through the KV pool, actors/handoff.py)
+    open_handoff(handoff, peers) the controller opens the deployment's KV handoff on it: its
+                                side opens its role's part (KVSender / KVReceiver: push, or
+                                through the KV pool, actors/handoff.py)
     SERVING                     requests of its role (PrefillSide / DecodeSide); a call for
                                 the other role raises WrongRole
     (controller: DRAINING)      routers send it nothing new; what it has runs to the end
     set_role(role, id)          only when idle (nothing running, waiting, reserved or held):
-                                SWITCHING, the prefix cache dropped (the KV pool is empty),
+                                SWITCHING, the prefix cache dropped (the KV cache is empty),
                                 the engine's per-role settings and its name in load reports
                                 changed, the handoff closed → SERVING the new role, with no
                                 handoff until the controller opens it again; the weights stay
@@ -27,15 +28,24 @@ import ray
 from actors.decode_side import DecodeSide
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff
-from actors.messages import DECODE, PREFILL, KVDestination, PrefillResult, ReplicaLoad
+from actors.messages import KVDestination, PrefillResult, ReplicaLoad
 from actors.prefill_side import PrefillSide
 from actors.streaming import StreamingEngine
 from actors.transport_pump import ms_percentiles
 from kernels import compiles
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine import LLMEngine
+from pd_cluster.role import Role
 from pd_cluster.sampling_params import SamplingParams
 from transfer.state import LEASE_S
+
+
+# The reservation lease: D holds a prompt's reserved KV blocks (DecodeSide.reserve) for
+# RESERVATION_LEASE_S without a renewal (`renew`); the router renews it every
+# RESERVATION_RENEW_EVERY_S while P prefills the prompt. Not the subscriber lease
+# (actors/subscribers.py) nor the KV transport's (transfer/state.py).
+RESERVATION_LEASE_S = 60.0
+RESERVATION_RENEW_EVERY_S = 5.0     # well within the lease (router side)
 
 
 class RoleState(str, enum.Enum):
@@ -49,35 +59,33 @@ class WrongRole(RuntimeError):
 
 @ray.remote
 class EngineActor(StreamingEngine):
-    def __init__(self, config: EngineConfig, role: str, replica_id: int, transport: str,
-                 timeout_s: float = 120.0, lease_s: float = 60.0,
+    def __init__(self, config: EngineConfig, role: Role, replica_id: int, transport: str,
+                 timeout_s: float = 120.0, lease_s: float = RESERVATION_LEASE_S,
                  transfer_lease_s: float = LEASE_S) -> None:
         """`lease_s`: how long D holds a reservation without a renewal; `transfer_lease_s`:
         the KV transport's lease (transfer/base.py), which also sets how long D fences blocks
         a dead P may still write."""
-        if role not in (PREFILL, DECODE):
-            raise ValueError(f"role: {role!r} is not {PREFILL!r} or {DECODE!r}")
+        role = Role.parse(role)
         self.lease_s = lease_s
         self.loop = EngineLoop(config, timeout_s, role, replica_id)
         self.async_scheduling = self.loop.engine.async_scheduling   # D's setting, resolved
         self._open_outbox()
         self.end = KVEndpoint(self.loop, transport, timeout_s, f"engine-{role}-{replica_id}-kv",
                               transfer_lease_s)
-        self.handoff: KVHandoff | None = None     # the controller's, once opened for the role
         self.state = RoleState.SERVING
         self.role_changes = 0
         self.side: PrefillSide | DecodeSide = self._side_for(role)
-        if role == PREFILL:
+        if role is Role.PREFILL:
             self.loop.engine.async_scheduling = False   # before any request: no race
 
     @property
-    def role(self) -> str:
-        return PREFILL if isinstance(self.side, PrefillSide) else DECODE
+    def role(self) -> Role:
+        return Role.PREFILL if isinstance(self.side, PrefillSide) else Role.DECODE
 
-    def _side_for(self, role: str) -> PrefillSide | DecodeSide:
-        return PrefillSide(self) if role == PREFILL else DecodeSide(self, self.lease_s)
+    def _side_for(self, role: Role) -> PrefillSide | DecodeSide:
+        return PrefillSide(self) if role is Role.PREFILL else DecodeSide(self, self.lease_s)
 
-    def _as(self, role: str):
+    def _as(self, role: Role):
         if self.state is not RoleState.SERVING or self.role != role:
             raise WrongRole(f"engine replica {self.loop.role}-{self.loop.replica_id} serves "
                             f"{self.role} ({self.state}), not {role}")
@@ -91,11 +99,7 @@ class EngineActor(StreamingEngine):
     async def open_handoff(self, handoff: KVHandoff, peers: list[bytes]) -> None:
         """Hand the KV of prompts over (P) or take it (D) this way from now on; `peers`: the
         other role's KV descriptors, for a handoff that addresses them."""
-        if self.role == PREFILL:
-            await handoff.open_prefill(self.end, peers)
-        else:
-            await handoff.open_decode(self.end, peers)
-        self.handoff = handoff
+        await self.side.open(handoff, peers)
 
     async def add_peer(self, descriptor: bytes) -> None:
         """Connect to an engine of the other role that joined after us."""
@@ -134,46 +138,40 @@ class EngineActor(StreamingEngine):
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       destination: list | None, sub: str | None = None) -> PrefillResult:
         """See PrefillSide.prefill."""
-        return await self._as(PREFILL).prefill(request_id, prompt_ids, params, destination, sub)
+        return await self._as(Role.PREFILL).prefill(request_id, prompt_ids, params,
+                                                    destination, sub)
 
     async def timeline(self) -> list[tuple[str, int, float]]:
         """See PrefillSide.timeline."""
-        return self._as(PREFILL).timeline()
+        return self._as(Role.PREFILL).timeline()
 
     # -- decode (D) -----------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       sub: str | None = None) -> KVDestination | None:
         """See DecodeSide.reserve."""
-        return await self._as(DECODE).reserve(request_id, prompt_ids, params, sub)
+        return await self._as(Role.DECODE).reserve(request_id, prompt_ids, params, sub)
 
     async def renew(self, request_id: str) -> bool:
         """See DecodeSide.renew."""
-        return await self._as(DECODE).renew(request_id)
+        return await self._as(Role.DECODE).renew(request_id)
 
     async def decode(self, request_id: str, result: PrefillResult, sub: str) -> None:
         """See DecodeSide.decode."""
-        await self._as(DECODE).decode(request_id, result, sub)
+        await self._as(Role.DECODE).decode(request_id, result, sub)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        sub: str) -> None:
-        """D prefills a prompt itself (conditional disaggregation, recompute after a failed
-        prefill): StreamingEngine.generate, after the handoff's prefetch (pool: the prompt's
-        prefix blocks a KV pool holds)."""
-        self._as(DECODE)
-        release = await self.handoff.prefetch(prompt_ids) if self.handoff else (lambda: None)
-        try:
-            await super().generate(request_id, prompt_ids, params, sub)
-        finally:
-            release()   # queued after the request: it is admitted with them cached
+        """D prefills a prompt itself (conditional disaggregation, the fallbacks): see
+        DecodeSide.generate."""
+        await self._as(Role.DECODE).generate(request_id, prompt_ids, params, sub)
 
     # -- changing roles ---------------------------------------------------------------------
-    async def set_role(self, role: str, replica_id: int) -> ReplicaLoad:
+    async def set_role(self, role: Role, replica_id: int) -> ReplicaLoad:
         """Serve `role` as replica `replica_id` from now on, keeping the model loaded (see
         the module docstring). Raises (and keeps serving as before) unless the engine is
         idle; returns the load report taken on the engine thread at the switch (nothing
         held, the prefix cache empty)."""
-        if role not in (PREFILL, DECODE):
-            raise ValueError(f"role: {role!r} is not {PREFILL!r} or {DECODE!r}")
+        role = Role.parse(role)
         if self.state is not RoleState.SERVING:
             raise RuntimeError(f"engine replica is already {self.state}")
         old, self.state = self.side, RoleState.SWITCHING
@@ -183,14 +181,14 @@ class EngineActor(StreamingEngine):
         except BaseException:
             self.state = RoleState.SERVING
             raise
-        self.handoff, self.loop.listener = None, None   # the controller opens it anew
+        old.close()   # the handoff: the controller opens it anew
         self.side = old if role == self.role else self._side_for(role)
         self.role_changes += 1
         self.state = RoleState.SERVING
         self.switch_s = time.monotonic() - began
         return load
 
-    def _switch(self, engine: LLMEngine, role: str, replica_id: int) -> ReplicaLoad:
+    def _switch(self, engine: LLMEngine, role: Role, replica_id: int) -> ReplicaLoad:
         """Engine thread, between steps: the commands queued before this one have run."""
         kv = engine.kv
         busy = engine.has_unfinished() or kv.num_free_blocks != kv.num_blocks
@@ -201,7 +199,7 @@ class EngineActor(StreamingEngine):
                 f"waiting, {kv.num_blocks - kv.num_free_blocks} KV blocks held): drain it "
                 "before it changes roles")
         kv.allocator.reset_prefix_cache()        # the old role's cached prompts go
-        if role == PREFILL:
+        if role is Role.PREFILL:
             PrefillSide.configure(engine)
         else:
             engine.async_scheduling = self.async_scheduling

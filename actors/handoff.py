@@ -1,24 +1,33 @@
-"""KVHandoff: how a prompt's KV gets from the prefill engine (P) to the decode engine (D).
+"""The KV handoff: how a prompt's KV gets from the prefill engine (P) to the decode engine (D).
 
-One strategy per deployment, chosen once from the mode by the router's DisaggregatedClient
-and shared by it and both engine actors:
+One strategy per deployment, chosen once from the mode, in three parts by who holds them:
+
+    KVHandoff   the engine controller's and the routers' part, the same on every copy: it joins
+                engine actors to the handoff, tells P where a prompt's KV goes, takes P's
+                result for D, and ends what an attempt left outside the engines
+    KVSender    P's part, which `KVHandoff.open_prefill` makes on a prefill engine's actor: it
+                runs a prompt's prefill and hands the prompt's KV over
+    KVReceiver  D's part, which `KVHandoff.open_decode` makes on a decode engine's actor: it
+                takes a prompt's KV into the blocks D reserved
 
     PushHandoff (mode `disaggregated`): after each layer P writes that layer's blocks into
-        blocks D reserved, so the transfer overlaps the next layer; D waits for the writes.
+        blocks D reserved, so the transfer overlaps the next layer (actors/kv_push.py); D
+        waits for the writes.
     PoolHandoff (mode `pooled`, actors/pool_handoff.py): after the prefill P puts the prompt's
         blocks into the KV pool, held there for D under the attempt id; D reads the blocks
         it lacks and ends the hold. P and D never address each other.
 
-Lifecycle: the engine controller makes one and `join`s every engine actor to it as the actor
-becomes ready (and again when a restarted one does), which gives the actor a copy
-(`open_handoff`); the actor opens it for its role with its KVEndpoint (`open_prefill` /
-`open_decode`). Router replicas get a copy with the membership. Then, for each attempt at a request:
-    router  destination(reservation)          what P.prefill is told of where the KV goes
-    P       send(id, prompt, destination, prefill) → runs the prefill, hands the KV over
-    router  accept(id, result, reservation)   the result for D.decode; None: D prefills it
-    D       receive(id, reservation, result)  returns once the KV is in D's reserved blocks
-    router  release(id)                       ends what the attempt left outside the engines
-    P       abort(id)                         stops handing over an aborted request's KV
+Lifecycle: the engine controller makes the KVHandoff and `join`s every engine actor to it as
+the actor becomes ready (again when a restarted one does, or one that changed roles): the
+actor gets a copy (`open_handoff`) and opens its role's part on its KVEndpoint, which it keeps
+until it changes roles. Router replicas get a copy with the membership. Then, for each
+attempt at a request (the whole exchange: router/disagg_client.py):
+    router  destination(reservation)               what P.prefill is told of where the KV goes
+    P       sender.send(id, prompt, destination, prefill) → runs the prefill, hands the KV over
+    router  accept(id, result, reservation)        the result for D.decode; None: D prefills it
+    D       receiver.receive(id, reservation, result) → once the KV is in D's reserved blocks
+    router  release(id)                            ends what the attempt left outside the engines
+    P       sender.abort(id)                       stops handing over an aborted request's KV
 A failed handover raises in `send` (P) or `receive` (D); the caller frees the engine's side.
 """
 from __future__ import annotations
@@ -29,7 +38,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from actors.engine_loop import EngineLoop
 from actors.kv_push import KVPusher, expect_transfers, quarantine_late_writes
@@ -76,6 +85,10 @@ class KVEndpoint:
             self._peers.add(peer.agent)
         return peer.agent
 
+    async def connect_all(self, descriptors: Sequence[bytes]) -> None:
+        for descriptor in descriptors:
+            await self.connect(descriptor)
+
     def count(self, nbytes: int, seconds: float) -> None:
         """KV moved: `nbytes` in `seconds`, for the load report."""
         self.kv_bytes += nbytes
@@ -92,7 +105,7 @@ class KVEndpoint:
 
 @dataclass(frozen=True, slots=True)
 class Handover:
-    """What P's side of a handoff did with one prompt."""
+    """What P's part of a handoff did with one prompt."""
 
     last: RequestOutput         # the prefill's last output (the first token's)
     kv: PushedKV | PooledKV     # where the prompt KV is now
@@ -101,18 +114,60 @@ class Handover:
     started: float              # monotonic: the handover began (push: once D's blocks were known)
 
 
-class KVHandoff(ABC):
-    """See the module docstring. The router's instance is copied to the engine actors; each
-    copy then holds its actor's side."""
+class KVSender(ABC):
+    """P's part of a handoff (see the module docstring), on the prefill engine's KVEndpoint."""
 
-    # -- the router's side ---------------------------------------------------------------
+    def __init__(self, end: KVEndpoint) -> None:
+        self.end = end
+
+    @abstractmethod
+    async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
+                   prefill: Prefill) -> Handover:
+        """Run `prefill` (its KV blocks stay held) and hand the prompt's KV over;
+        `destination`: what the router's KVHandoff said of where it goes."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop handing over the request's KV (it was aborted)."""
+
+    def timeline(self) -> list[tuple[str, int, float]]:
+        """Per-layer ("computed" | "posted", layer, time) marks of a layer-wise handover."""
+        return []
+
+    def close(self) -> None:
+        """The engine stops serving P (it changes roles, idle)."""
+
+
+class KVReceiver(ABC):
+    """D's part of a handoff (see the module docstring), on the decode engine's KVEndpoint."""
+
+    def __init__(self, end: KVEndpoint) -> None:
+        self.end = end
+
+    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
+        """D is about to prefill a prompt itself: first make what it can of the prompt's KV a
+        prefix-cache hit there (pool: the blocks a KV pool holds). Returns what lets those
+        blocks go, to call once the request is queued in the engine."""
+        return lambda: None
+
+    @abstractmethod
+    async def receive(self, request_id: str, reservation: KVDestination,
+                      result: PrefillResult) -> None:
+        """Return once the prompt KV of `result` is in D's reserved blocks; raise if it
+        cannot be."""
+
+
+class KVHandoff(ABC):
+    """The engine controller's and the routers' part of a handoff (see the module docstring):
+    settings and shared resources only, the same on every copy; the engine actors open
+    their parts from it."""
+
     @abstractmethod
     async def join(self, actor: Any, descriptor: bytes, peers: Sequence[tuple[Any, bytes]]
                    ) -> None:
         """Open the handoff on an engine actor that has just loaded its model (`open_handoff`);
         `descriptor`: its encoded KVDescriptor; `peers`: the ready replicas of the other role
         as (actor, descriptor). Replicas join one at a time, in any order, and again after
-        a restart (the EngineFleet, router/fleet.py, calls this)."""
+        a restart (the EngineFleet, router/control/fleet.py, calls this)."""
 
     @abstractmethod
     def destination(self, reservation: Any) -> list | None:
@@ -126,68 +181,35 @@ class KVHandoff(ABC):
     def release(self, attempt_id: str) -> None:
         """End what the attempt left outside the engines (fire and forget)."""
 
-    # -- the prefill engine's side ---------------------------------------------------------
     @abstractmethod
-    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> None:
-        """Ready P's side; `peers`: the decode engines' KV descriptors (push only)."""
-
-    @abstractmethod
-    async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
-                   prefill: Prefill) -> Handover:
-        """Run `prefill` (its KV blocks stay held) and hand the prompt's KV over."""
-
-    def abort(self, request_id: str) -> None:
-        """Stop handing over the request's KV (it was aborted)."""
-
-    def timeline(self) -> list[tuple[str, int, float]]:
-        """Per-layer ("computed" | "posted", layer, time) marks of a layer-wise handover."""
-        return []
-
-    # -- the decode engine's side -----------------------------------------------------------
-    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
-        """D is about to prefill a prompt itself: first make what it can of the prompt's KV a
-        prefix-cache hit there (pool: the blocks a KV pool holds). Returns what lets those
-        blocks go, to call once the request is queued in the engine."""
-        return lambda: None
+    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> KVSender:
+        """On a prefill engine's actor: its part; `peers`: the decode engines' KV
+        descriptors (push only)."""
 
     @abstractmethod
-    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
-        """Ready D's side; `peers`: the prefill engines' KV descriptors (push only)."""
-
-    @abstractmethod
-    async def receive(self, request_id: str, reservation: KVDestination,
-                      result: PrefillResult) -> None:
-        """Return once the prompt KV of `result` is in D's reserved blocks; raise if it
-        cannot be."""
+    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> KVReceiver:
+        """On a decode engine's actor: its part; `peers`: the prefill engines' KV
+        descriptors (push only)."""
 
 
-def opened(handoff: KVHandoff | None) -> KVHandoff:
-    """An actor's handoff, once the router has opened it."""
-    if handoff is None:
-        raise RuntimeError("no KV handoff yet: the router opens one when every replica is up")
-    return handoff
+Part = TypeVar("Part", KVSender, KVReceiver)
 
 
-class PushHandoff(KVHandoff):
-    """Layer-wise writes from P into D's reserved blocks (actors/kv_push.py)."""
+def opened(part: Part | None) -> Part:
+    """An engine actor's part of the handoff, once the controller has opened it there."""
+    if part is None:
+        raise RuntimeError("no KV handoff yet: the controller opens one when the replica joins")
+    return part
 
-    async def join(self, actor: Any, descriptor: bytes, peers: Sequence[tuple[Any, bytes]]
-                   ) -> None:
-        # Both ways: two-sided transports (ucx, ray) acknowledge each write, and control
-        # messages (leases, aborts) flow back too.
-        await actor.open_handoff.remote(self, [d for _, d in peers])
-        await asyncio.gather(*[peer.add_peer.remote(descriptor) for peer, _ in peers])
 
-    def destination(self, reservation: Any) -> list:
-        # In a list, so the ref reaches P unresolved: P starts while D still reserves.
-        return [reservation]
+class PushSender(KVSender):
+    """P's part of the push: the engine's KVPusher writes each layer's blocks as it is computed
+    (actors/kv_push.py)."""
 
-    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> None:
-        self.end = end
+    def __init__(self, end: KVEndpoint) -> None:
+        super().__init__(end)
         self.pusher = KVPusher(end.pump, end.layout.block_size, end.loop.engine.runner.device)
         end.loop.listener = self.pusher
-        for peer in peers:
-            await end.connect(peer)
 
     async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
                    prefill: Prefill) -> Handover:
@@ -228,11 +250,13 @@ class PushHandoff(KVHandoff):
     def timeline(self) -> list[tuple[str, int, float]]:
         return list(self.pusher.timeline)
 
-    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
-        self.end = end
-        await quarantine_late_writes(end.loop, end.pump)   # P's writes may outlive a request
-        for peer in peers:
-            await end.connect(peer)
+    def close(self) -> None:
+        if self.end.loop.listener is self.pusher:
+            self.end.loop.listener = None
+
+
+class PushReceiver(KVReceiver):
+    """D's part of the push: waits for P's writes into the reserved blocks to land."""
 
     async def receive(self, request_id: str, reservation: KVDestination,
                       result: PrefillResult) -> None:
@@ -241,3 +265,31 @@ class PushHandoff(KVHandoff):
         await asyncio.wait_for(asyncio.wrap_future(
             expect_transfers(end.pump, agent, kv.transfer_ids)), end.timeout_s)
         end.count(result.kv_bytes, result.transfer_s)
+
+
+class PushHandoff(KVHandoff):
+    """Layer-wise writes from P into D's reserved blocks (actors/kv_push.py)."""
+
+    sender_type: type[PushSender] = PushSender
+    receiver_type: type[PushReceiver] = PushReceiver
+
+    async def join(self, actor: Any, descriptor: bytes, peers: Sequence[tuple[Any, bytes]]
+                   ) -> None:
+        # Both ways: two-sided transports (ucx, ray) acknowledge each write, and control
+        # messages (leases, aborts) flow back too.
+        await actor.open_handoff.remote(self, [d for _, d in peers])
+        await asyncio.gather(*[peer.add_peer.remote(descriptor) for peer, _ in peers])
+
+    def destination(self, reservation: Any) -> list:
+        # In a list, so the ref reaches P unresolved: P starts while D still reserves.
+        return [reservation]
+
+    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> PushSender:
+        sender = self.sender_type(end)
+        await end.connect_all(peers)
+        return sender
+
+    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> PushReceiver:
+        await quarantine_late_writes(end.loop, end.pump)   # P's writes may outlive a request
+        await end.connect_all(peers)
+        return self.receiver_type(end)

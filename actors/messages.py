@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from actors.pool_index import Key
 from pd_cluster.outputs import CompletionOutput, RequestOutput
 from pd_cluster.request import FinishReason
+from pd_cluster.role import Role
 
-
-PREFILL, DECODE = "prefill", "decode"    # engine roles (colocated engines are "decode")
 
 # Outputs a request's stream may run ahead of its consumer; beyond that the actor waits and
 # the engine loop folds the steps that pile up into one output (fewer, larger messages).
@@ -44,7 +43,7 @@ class ReplicaLoad:
     """What one engine replica reports about itself, its `load()` (counters are totals since
     its start)."""
 
-    role: str                           # PREFILL | DECODE
+    role: Role
     replica_id: int                     # index among the replicas of its role
     num_running: int = 0
     num_waiting: int = 0

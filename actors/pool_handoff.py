@@ -1,10 +1,11 @@
 """The pool handoff (mode `pooled`): prompt KV goes P → KV pool (a DistributedKVCache) → D.
 
-PoolHandoff is the KVHandoff (actors/handoff.py) of pooled mode:
+PoolHandoff is the KVHandoff (actors/handoff.py) of pooled mode; PoolSender and PoolReceiver
+are P's and D's parts, each with the engine's PoolClients (a PoolClient per pool):
     controller  on the first engine's join, the KV pools (kv_pool.placement: one for the
             cluster, or one on every node; kv_pool.capacity_*, else sized like an engine's KV
             cache; on the engines' transport), to each of which every engine actor connects
-            as it joins. An engine's home pool is the one on its node (else the first).
+            as it opens its part. An engine's home pool is the one on its node (else the first).
     router  `release(attempt)` ends the attempt's hold (abort, a dead D, or D without room:
             D prefills it itself)
     P       first reads the prompt's prefix blocks that a pool holds and its own cache lacks
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from actors.handoff import Handover, KVEndpoint, KVHandoff, Prefill
+from actors.handoff import Handover, KVEndpoint, KVHandoff, KVReceiver, KVSender, Prefill
 from actors.kv_pool import node_id, start_pool
 from actors.messages import KVDestination, PooledKV, PrefillResult
 from actors.pool_client import PoolClient, PoolLost
@@ -68,8 +69,101 @@ class PoolSettings:
         return self.capacity_bytes // block_bytes
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolClients:
+    """An engine's connections to the deployment's KV pools: a PoolClient per pool, by node."""
+
+    clients: dict[str, PoolClient]
+    home_node: str                       # the pool on the engine's node, else the first
+
+    @property
+    def home(self) -> PoolClient:
+        return self.clients[self.home_node]
+
+    def by_preference(self) -> list[PoolClient]:
+        """The home pool's client first, then the others'."""
+        return [self.home] + [c for n, c in self.clients.items() if n != self.home_node]
+
+
+class PoolSender(KVSender):
+    """P's part: reuse the pool's prefix blocks, prefill the rest, put the prompt's blocks."""
+
+    def __init__(self, end: KVEndpoint, pools: PoolClients) -> None:
+        super().__init__(end)
+        self.pools = pools
+
+    async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
+                   prefill: Prefill) -> Handover:
+        end, pools = self.end, self.pools
+        keys = prompt_keys(request_id, prompt_ids, end.layout.block_size)
+        reuse = asyncio.ensure_future(reuse_prefix(end, pools.by_preference(), prompt_ids,
+                                                   keys))
+        try:
+            kept = await asyncio.shield(reuse)
+        except asyncio.CancelledError:   # the blocks it holds must still be let go of
+            reuse.add_done_callback(lambda t: t.cancelled() or t.exception() is not None
+                                    or _release_soon(end, t.result()))
+            raise
+        try:
+            last = await prefill()
+        except BaseException:
+            _release_soon(end, kept)
+            raise
+        started = time.monotonic()
+        # The request now holds the reused blocks itself: drop our references with the look.
+        blocks = await end.loop.call(lambda e: _held_blocks(e, request_id, kept))
+        try:
+            added = await pools.home.put(keys, blocks, hold=request_id)
+        except TransferError as e:
+            if await pools.home.alive():
+                raise
+            # No pool to put into: never a failed request for that; D prefills it itself.
+            log.warning("%s: the KV pool is gone (%s); the decode side prefills it",
+                        request_id, e)
+            return Handover(last, PooledKV(keys, stored=False), 0, started, started)
+        return Handover(last, PooledKV(keys, pool=pools.home_node), end.bytes_of(added),
+                        started, started)
+
+
+class PoolReceiver(KVReceiver):
+    """D's part: read the prompt blocks it lacks from the pool P put them in."""
+
+    def __init__(self, end: KVEndpoint, pools: PoolClients) -> None:
+        super().__init__(end)
+        self.pools = pools
+
+    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
+        end = self.end
+        keys = prompt_keys("", prompt_ids, end.layout.block_size)   # full blocks are read
+        kept = await reuse_prefix(end, self.pools.by_preference(), prompt_ids, keys)
+        return lambda: _release_soon(end, kept)
+
+    async def receive(self, request_id: str, reservation: KVDestination,
+                      result: PrefillResult) -> None:
+        end, keys = self.end, result.kv.keys
+        client = self.pools.clients.get(result.kv.pool, self.pools.home)
+        skip = reservation.num_cached_tokens // end.layout.block_size
+        start = time.monotonic()
+        try:
+            got = await asyncio.wait_for(
+                client.get(keys[skip:], reservation.block_ids[skip:]), end.timeout_s)
+        except TransferError as e:
+            if isinstance(e, PoolLost) or await client.alive():
+                raise
+            raise PoolLost(f"{request_id}: the KV pool died during the read ({e})") from e
+        finally:
+            client.release(request_id)
+        if got < len(keys) - skip:
+            raise TransferError(f"{request_id}: the KV pool holds {got} of the "
+                                f"{len(keys) - skip} prompt blocks to read")
+        end.count(end.bytes_of(got), time.monotonic() - start)
+
+
 class PoolHandoff(KVHandoff):
     """See the module docstring. `config`: a KVPoolConfig (or PoolSettings); None: defaults."""
+
+    sender_type: type[PoolSender] = PoolSender
+    receiver_type: type[PoolReceiver] = PoolReceiver
 
     def __init__(self, timeout_s: float = 120.0, config: Any = None) -> None:
         self.timeout_s = timeout_s
@@ -81,7 +175,6 @@ class PoolHandoff(KVHandoff):
         """The first pool (the only one with placement `single`)."""
         return next(iter(self.pools.values()))
 
-    # -- the router's side -------------------------------------------------------------------
     async def join(self, actor: Any, descriptor: bytes, peers: Sequence[tuple[Any, bytes]]
                    ) -> None:
         if not self.pools:
@@ -127,86 +220,22 @@ class PoolHandoff(KVHandoff):
         stats = await asyncio.gather(*[one(p) for p in self.pools.values()])
         return {node: st for node, st in zip(self.pools, stats) if st is not None}
 
-    # -- an engine's side --------------------------------------------------------------------
-    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> None:
-        await self._open(end)
+    async def open_prefill(self, end: KVEndpoint, peers: list[bytes]) -> PoolSender:
+        return self.sender_type(end, await self._connect(end))
 
-    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> None:
-        await self._open(end)
+    async def open_decode(self, end: KVEndpoint, peers: list[bytes]) -> PoolReceiver:
+        return self.receiver_type(end, await self._connect(end))
 
-    async def _open(self, end: KVEndpoint) -> None:
+    async def _connect(self, end: KVEndpoint) -> PoolClients:
+        """An engine's clients of every pool, connected; its home pool the one on its node."""
         shards = end.loop.engine.kv_shards()
         # The same-node copy needs the whole KV cache in this process (one rank).
         kv = shards[0][0] if self.settings.shared_memory and len(shards) == 1 else None
-        self.end = end
-        self.clients = {node: PoolClient(pool, end.pump, end.timeout_s, kv)
-                        for node, pool in self.pools.items()}
-        await asyncio.gather(*[c.connect() for c in self.clients.values()])
+        clients = {node: PoolClient(pool, end.pump, end.timeout_s, kv)
+                   for node, pool in self.pools.items()}
+        await asyncio.gather(*[c.connect() for c in clients.values()])
         here = node_id()
-        self.home = here if here in self.clients else next(iter(self.clients))
-        self.client = self.clients[self.home]
-
-    def _by_preference(self) -> list[PoolClient]:
-        """The home pool's client first, then the others'."""
-        return [self.client] + [c for n, c in self.clients.items() if n != self.home]
-
-    async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
-                   prefill: Prefill) -> Handover:
-        end = self.end
-        keys = prompt_keys(request_id, prompt_ids, end.layout.block_size)
-        reuse = asyncio.ensure_future(reuse_prefix(end, self._by_preference(), prompt_ids,
-                                                   keys))
-        try:
-            kept = await asyncio.shield(reuse)
-        except asyncio.CancelledError:   # the blocks it holds must still be let go of
-            reuse.add_done_callback(lambda t: t.cancelled() or t.exception() is not None
-                                    or _release_soon(end, t.result()))
-            raise
-        try:
-            last = await prefill()
-        except BaseException:
-            _release_soon(end, kept)
-            raise
-        started = time.monotonic()
-        # The request now holds the reused blocks itself: drop our references with the look.
-        blocks = await end.loop.call(lambda e: _held_blocks(e, request_id, kept))
-        try:
-            added = await self.client.put(keys, blocks, hold=request_id)
-        except TransferError as e:
-            if await self.client.alive():
-                raise
-            # No pool to put into: never a failed request for that; D prefills it itself.
-            log.warning("%s: the KV pool is gone (%s); the decode side prefills it",
-                        request_id, e)
-            return Handover(last, PooledKV(keys, stored=False), 0, started, started)
-        return Handover(last, PooledKV(keys, pool=self.home), end.bytes_of(added), started,
-                        started)
-
-    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
-        end = self.end
-        keys = prompt_keys("", prompt_ids, end.layout.block_size)   # full blocks are read
-        kept = await reuse_prefix(end, self._by_preference(), prompt_ids, keys)
-        return lambda: _release_soon(end, kept)
-
-    async def receive(self, request_id: str, reservation: KVDestination,
-                      result: PrefillResult) -> None:
-        end, keys = self.end, result.kv.keys
-        client = self.clients.get(result.kv.pool, self.client)
-        skip = reservation.num_cached_tokens // end.layout.block_size
-        start = time.monotonic()
-        try:
-            got = await asyncio.wait_for(
-                client.get(keys[skip:], reservation.block_ids[skip:]), end.timeout_s)
-        except TransferError as e:
-            if isinstance(e, PoolLost) or await client.alive():
-                raise
-            raise PoolLost(f"{request_id}: the KV pool died during the read ({e})") from e
-        finally:
-            client.release(request_id)
-        if got < len(keys) - skip:
-            raise TransferError(f"{request_id}: the KV pool holds {got} of the "
-                                f"{len(keys) - skip} prompt blocks to read")
-        end.count(end.bytes_of(got), time.monotonic() - start)
+        return PoolClients(clients, here if here in clients else next(iter(clients)))
 
 
 def _alive_nodes() -> list[str]:
@@ -226,3 +255,4 @@ def _release_soon(end: KVEndpoint, blocks: list[Block]) -> None:
     """Drop the references `reuse_prefix` took (a failed or aborted prefill), not waited on."""
     if blocks:
         asyncio.ensure_future(end.loop.call(lambda e: e.kv.release_blocks(blocks)))
+

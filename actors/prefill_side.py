@@ -1,10 +1,12 @@
-"""PrefillSide: an engine replica serving as P computes prompts' KV and hands it over to
-decode engines (actors/handoff.py). The EngineActor (actors/engine_actor.py) owns the engine
-loop, its KVEndpoint and the handoff; this is what it does with them while it serves P.
+"""PrefillSide: an engine replica serving as P computes prompts' KV, hands it over to decode
+engines (its KVSender, actors/handoff.py). The
+EngineActor (actors/engine_actor.py) owns the engine loop, its KVEndpoint and the subscriber
+leases (what `PrefillHost` names); this is what it does with them while it serves P. (The
+whole exchange of router, P and D: router/disagg_client.py.)
 
 Lifecycle of a request:
     prefill(id, ids, params, destination)
-                           → the handoff's `send` runs the prefill and hands the KV over
+                           → the sender's `send` runs the prefill and hands the KV over
     waiting → prefilling   → (chunked) prefill in the engine's continuous batch (push: after
                              each layer that layer's writes go out, overlapping the next layer)
     first token sampled    → the request holds its KV blocks (TRANSFERRING) while the handoff
@@ -24,21 +26,33 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Any
+from typing import Protocol, runtime_checkable
 
-from actors.handoff import opened
+from actors.engine_loop import EngineLoop
+from actors.handoff import KVEndpoint, KVHandoff, KVSender, opened
 from actors.messages import PrefillResult
+from actors.subscribers import Subscribers
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
 from pd_cluster.request import FinishReason
 from pd_cluster.sampling_params import SamplingParams
 
 
-class PrefillSide:
-    """P's requests on `actor` (an EngineActor: its `loop`, `end`, `handoff`, `subscribers`)."""
+@runtime_checkable
+class PrefillHost(Protocol):
+    """What PrefillSide uses of the engine actor that holds it (EngineActor)."""
 
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
+    loop: EngineLoop                # runs the prefills
+    end: KVEndpoint                 # the KV cache's transport: the sender's, and its counts
+    subscribers: Subscribers        # the router replicas' leases on the prefills
+
+
+class PrefillSide:
+    """P's requests on `host`'s engine; `sender`: its part of the handoff, once opened."""
+
+    def __init__(self, host: PrefillHost) -> None:
+        self.host = host
+        self.sender: KVSender | None = None
         self._releases: set[asyncio.Future] = set()
         # Recent requests' stage times (called, prefilled, handover started, KV in place),
         # for diagnosing where a TTFT goes under load (bench/disagg_probe.py).
@@ -49,23 +63,34 @@ class PrefillSide:
         """Engine thread: P steps synchronously (see the module docstring)."""
         engine.async_scheduling = False
 
+    async def open(self, handoff: KVHandoff, peers: list[bytes]) -> None:
+        """Hand prompts' KV over this way from now on (the controller opens the handoff)."""
+        self.close()
+        self.sender = await handoff.open_prefill(self.host.end, peers)
+
+    def close(self) -> None:
+        """No handoff any more (the engine changes roles) until `open` again."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       destination: list | None, sub: str | None = None) -> PrefillResult:
         """Prefill the prompt and hand its KV over (`destination`: what the router's handoff
         says of where it goes); returns the first token once the KV is in place. `sub`: the
         router replica it is for; its lease expiring aborts the prefill."""
-        actor, called = self.actor, time.monotonic()
-        actor.subscribers.track(sub, request_id)
+        host, called = self.host, time.monotonic()
+        host.subscribers.track(sub, request_id)
         try:
-            sent = await opened(actor.handoff).send(
+            sent = await opened(self.sender).send(
                 request_id, prompt_ids, destination,
                 lambda: self._first_output(request_id, prompt_ids, params))
         finally:
-            actor.subscribers.done(request_id)
+            host.subscribers.done(request_id)
             self._release(request_id)
         landed = time.monotonic()
         self.stages.append((request_id, called, sent.prefilled, sent.started, landed))
-        actor.end.count(sent.kv_bytes, landed - sent.started)
+        host.end.count(sent.kv_bytes, landed - sent.started)
         o = sent.last.outputs[0]
         return PrefillResult(o.token_ids[0], o.logprobs[0] if o.logprobs else None, sent.kv,
                              sent.last.num_cached_tokens, sent.kv_bytes, landed - sent.started,
@@ -75,7 +100,7 @@ class PrefillSide:
                             params: SamplingParams) -> RequestOutput:
         """Run the prefill; its last output (the first token's), its KV blocks held."""
         last = None
-        async for out in self.actor.loop.stream(request_id, prompt_ids, params, hold_kv=True):
+        async for out in self.host.loop.stream(request_id, prompt_ids, params, hold_kv=True):
             last = out
         if last is None or last.outputs[0].finish_reason is FinishReason.ABORT:
             raise RuntimeError(f"prefill of {request_id} was aborted")
@@ -84,11 +109,11 @@ class PrefillSide:
     def _release(self, request_id: str) -> None:
         # Freeing the blocks need not delay the answer (nor TTFT): queue it and go on.
         self._releases.add(asyncio.ensure_future(
-            self.actor.loop.call(lambda e: e.release(request_id))))
+            self.host.loop.call(lambda e: e.release(request_id))))
         self._releases = {t for t in self._releases if not t.done()}
 
     async def abort(self, request_id: str) -> None:
-        loop = self.actor.loop
+        loop = self.host.loop
 
         def end(engine: LLMEngine) -> None:
             # Past its prefill a request is held, its stream over: it ends by release (the
@@ -98,8 +123,8 @@ class PrefillSide:
                 engine.release(request_id)
             else:
                 loop.abort(request_id)
-        if self.actor.handoff is not None:
-            self.actor.handoff.abort(request_id)
+        if self.sender is not None:
+            self.sender.abort(request_id)
         await loop.call(end)
 
     def subscriber_gone(self, sub: str, request_ids: list[str]) -> None:
@@ -110,4 +135,4 @@ class PrefillSide:
     def timeline(self) -> list[tuple[str, int, float]]:
         """Per-layer ("computed" | "posted", layer, time) marks of a layer-wise handover
         (push); empty for the pool handoff."""
-        return opened(self.actor.handoff).timeline()
+        return opened(self.sender).timeline()

@@ -16,9 +16,11 @@ from tiny_models import make_tiny_model
 from waiting import wait_until, wait_until_async
 
 ray = pytest.importorskip("ray")
+from actors.decode_side import DecodeHost  # noqa: E402
 from actors.engine_actor import EngineActor  # noqa: E402
-from actors.handoff import PushHandoff  # noqa: E402
+from actors.handoff import PushHandoff, PushSender  # noqa: E402
 from actors.kv_push import QUARANTINE_MARGIN_S  # noqa: E402
+from actors.prefill_side import PrefillHost  # noqa: E402
 from router.disagg_client import DisaggregatedClient  # noqa: E402
 from router.errors import EngineUnavailable  # noqa: E402
 from transfer.base import TransferError  # noqa: E402
@@ -28,15 +30,19 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-class FailingPush(PushHandoff):
-    """The push handoff whose writes fail once P has prefilled the prompt (as they do when D
-    is unreachable): P aborts them and reports the failure."""
+class FailingSend(PushSender):
+    """P's part of a push whose writes fail once P has prefilled the prompt (as they do when
+    D is unreachable): P aborts them and reports the failure."""
 
     async def send(self, request_id, prompt_ids, destination, prefill):
         async def prefill_then_fail():
             await prefill()
             raise TransferError(f"{request_id}: the KV writes failed")
         return await super().send(request_id, prompt_ids, destination, prefill_then_fail)
+
+
+class FailingPush(PushHandoff):
+    sender_type = FailingSend
 
 
 def start(model_dir, transport, num_p=1, num_d=1, recompute=True, lease_s=60.0, handoff=None,
@@ -126,6 +132,11 @@ def test_disaggregated_equals_colocated_equals_hf(transport, tiny):
         on_d = run_all(client, prompts, routes={i: Route(0, None) for i in range(3)})
         assert disagg == colocated == hf == on_d
         wait_all_free(client, DRAINED_WITHIN_S)
+        # The actor is what its sides use of it.
+        assert ray.get(client.prefill[0].__ray_call__.remote(
+            lambda actor: isinstance(actor, PrefillHost)))
+        assert ray.get(client.decode[0].__ray_call__.remote(
+            lambda actor: isinstance(actor, DecodeHost)))
     finally:
         shutdown(client)
 

@@ -16,7 +16,7 @@ from waiting import wait_until
 ray = pytest.importorskip("ray")
 from actors.engine_actor import EngineActor  # noqa: E402
 from actors.kv_pool import start_pool  # noqa: E402
-from actors.pool_handoff import PoolHandoff  # noqa: E402
+from actors.pool_handoff import PoolHandoff, PoolReceiver  # noqa: E402
 from actors.pool_index import prompt_keys  # noqa: E402
 from router.disagg_client import DisaggregatedClient  # noqa: E402
 
@@ -25,14 +25,18 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [list(range(5 + i, 60 + 3 * i)) for i in range(6)]   # partial last blocks
 
 
-class FailingPoolRead(PoolHandoff):
-    """The pool handoff whose reads on D find a block missing: the request's hold ends (its
-    partial last block dropped from the pool) just before D reads, as when the hold
+class FailingRead(PoolReceiver):
+    """D's part of a pool handoff whose reads find a block missing: the request's hold ends
+    (its partial last block dropped from the pool) just before D reads, as when the hold
     expired."""
 
     async def receive(self, request_id, reservation, result):
-        await self.client.release(request_id)
+        await self.pools.home.release(request_id)
         return await super().receive(request_id, reservation, result)
+
+
+class FailingPoolRead(PoolHandoff):
+    receiver_type = FailingRead
 
 
 @pytest.fixture(scope="module")
