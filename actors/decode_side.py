@@ -9,7 +9,7 @@ Lifecycle of a request:
                                  parked as WAITING_FOR_KV under a lease (renewed by the router
                                  while the prefill runs); returns a KVDestination
     (the prefill side computes the prompt; push: it writes the KV into those blocks)
-    decode(id, prefill result)
+    decode(id, prefill result, first_sent)
                                → transfer: the receiver's `receive` returns once the prompt KV
                                  is in the reserved blocks (push: every write of the prefill
                                  side landed; pool: the blocks past our prefix hit read from
@@ -18,11 +18,13 @@ Lifecycle of a request:
                                  pool), the blocks are freed and decode raises
     waiting → running          → the request joins the continuous batch with its first token;
                                  its outputs go to the caller's stream (`outputs`, see
-                                 actors/streaming.py), and decode() returns
+                                 actors/streaming.py), and decode() returns. With `first_sent`
+                                 (the caller has P's first token) the stream starts after it
     abort / lease expiry       → blocks freed; a stream ends with finish_reason "abort"
     the router's subscriber lease expires (it died; actors/subscribers.py)
                                → its reservations dropped and its streams aborted
-D also prefills prompts itself (`generate`: conditional disaggregation, and the fallbacks).
+D also prefills prompts itself (`generate`: conditional disaggregation, and the fallbacks),
+its stream after the first token too when the caller has P's.
 """
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ from typing import Protocol, runtime_checkable
 
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff, KVReceiver, opened
-from actors.messages import KVDestination, PrefillResult
+from actors.messages import KVDestination, PrefillResult, after_first_token
 from actors.outbox import Outbox
 from actors.subscribers import Subscribers
+from pd_cluster.outputs import RequestOutput
 from pd_cluster.sampling_params import SamplingParams
 
 
@@ -107,10 +110,11 @@ class DecodeSide:
             lease.cancel()
         self.host.loop.abort(request_id)
 
-    async def decode(self, request_id: str, result: PrefillResult, sub: str) -> None:
+    async def decode(self, request_id: str, result: PrefillResult, sub: str,
+                     first_sent: bool) -> None:
         """Once the prompt KV from `result` is in the reserved blocks, continue the request
-        with its first token; its outputs go to `sub`'s stream. Raises if the KV did not
-        arrive."""
+        with its first token; its outputs go to `sub`'s stream, after the first token when
+        `first_sent` (the caller has it from P). Raises if the KV did not arrive."""
         host = self.host
         lease, dest = self._leases.pop(request_id, None), self._dests.pop(request_id, None)
         if lease is None:
@@ -125,21 +129,28 @@ class DecodeSide:
         self.stages.append((request_id, called, time.monotonic()))
         host.subscribers.done(request_id)      # from here on the outbox tracks it
         host.loop.resume_into(request_id, result.token, result.logprobs,
-                              host.outbox.queue(sub, request_id))
+                              self._stream(sub, request_id, first_sent))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       sub: str) -> None:
+                       sub: str, first_sent: bool = False) -> None:
         """Prefill the prompt here and decode it (the route leaves the prefill to D, or a
-        fallback); its outputs go to `sub`'s stream. First the receiver's prefetch (pool: the
-        prompt's prefix blocks a KV pool holds); returns once the request is queued."""
+        fallback); its outputs go to `sub`'s stream, after the first token when `first_sent`
+        (the caller has P's). First the receiver's prefetch (pool: the prompt's prefix blocks
+        a KV pool holds); returns once the request is queued."""
         host = self.host
         release = (await self.receiver.prefetch(prompt_ids) if self.receiver is not None
                    else (lambda: None))
         try:
             host.subscribers.renew(sub)
-            host.loop.submit(request_id, prompt_ids, params, host.outbox.queue(sub, request_id))
+            host.loop.submit(request_id, prompt_ids, params,
+                             self._stream(sub, request_id, first_sent))
         finally:
             release()   # queued after the request: it is admitted with them cached
+
+    def _stream(self, sub: str, request_id: str, first_sent: bool) -> Inbox:
+        """Where the engine puts the request's outputs: `sub`'s outbox."""
+        box = self.host.outbox.queue(sub, request_id)
+        return _AfterFirst(box) if first_sent else box
 
     async def abort(self, request_id: str) -> None:
         """Drop the request; returns once the engine has, so that the caller may reuse its
@@ -153,3 +164,26 @@ class DecodeSide:
             self._drop_reservation(request_id)
         self.host.outbox.close(sub)
 
+
+class Inbox(Protocol):
+    """Where an engine loop puts a request's (id, output | error) items (EngineLoop.submit)."""
+
+    def put_nowait(self, item: tuple[str, RequestOutput | Exception]) -> None: ...
+
+
+class _AfterFirst:
+    """A request's way into its outbox when the caller has its first token already: the
+    engine's first output of it, which carries that token alone (the one its prefill or its
+    resume sampled), stays out (`after_first_token`); the rest go in."""
+
+    def __init__(self, box: Inbox) -> None:
+        self.box, self.first = box, True
+
+    def put_nowait(self, item: tuple[str, RequestOutput | Exception]) -> None:
+        request_id, out = item
+        if self.first and isinstance(out, RequestOutput) and out.delta_token_ids:
+            self.first = False
+            out = after_first_token(out)
+            if out is None:
+                return
+        self.box.put_nowait((request_id, out))

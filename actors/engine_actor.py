@@ -155,15 +155,16 @@ class EngineActor(StreamingEngine):
         """See DecodeSide.renew."""
         return await self._as(Role.DECODE).renew(request_id)
 
-    async def decode(self, request_id: str, result: PrefillResult, sub: str) -> None:
+    async def decode(self, request_id: str, result: PrefillResult, sub: str,
+                     first_sent: bool) -> None:
         """See DecodeSide.decode."""
-        await self._as(Role.DECODE).decode(request_id, result, sub)
+        await self._as(Role.DECODE).decode(request_id, result, sub, first_sent)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       sub: str) -> None:
+                       sub: str, first_sent: bool = False) -> None:
         """D prefills a prompt itself (conditional disaggregation, the fallbacks): see
         DecodeSide.generate."""
-        await self._as(Role.DECODE).generate(request_id, prompt_ids, params, sub)
+        await self._as(Role.DECODE).generate(request_id, prompt_ids, params, sub, first_sent)
 
     # -- changing roles ---------------------------------------------------------------------
     async def set_role(self, role: Role, replica_id: int) -> ReplicaLoad:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from actors.pool_index import Key
 from pd_cluster.outputs import CompletionOutput, RequestOutput
@@ -102,15 +102,23 @@ class PooledKV:
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    """What the prefill engine hands over once the prompt KV is where its handoff puts it."""
+    """What the prefill engine answers once the prompt KV is where its handoff puts it: the
+    request's first token, and where the KV is for the decode engine."""
 
-    token: int                            # the first generated token
-    logprobs: dict[int, float] | None
+    first: StreamDelta                    # the first token as the request's stream shows it
+                                          # (`StreamDelta.first_token`)
     kv: PushedKV | PooledKV               # where the prompt KV is
-    num_cached_tokens: int                # prompt tokens the prefill engine found cached
     kv_bytes: int                         # bytes it moved
     transfer_s: float                     # from the handover's start to the KV in place
-    first_output: RequestOutput           # the prefill engine's output for the first token
+
+    @property
+    def token(self) -> int:
+        """The first token's id: the decode engine continues from it."""
+        return self.first.token_ids[0]
+
+    @property
+    def logprobs(self) -> dict[int, float] | None:
+        return self.first.logprobs[0] if self.first.logprobs else None
 
 
 @dataclass(slots=True)
@@ -142,6 +150,44 @@ class StreamDelta:
         return cls(list(out.delta_token_ids), out.delta_text, lps, out.finished,
                    o.finish_reason, o.stop_reason, out.num_cached_tokens, out.error,
                    out.engine_ttft, out.spec_proposed_tokens, out.spec_accepted_tokens)
+
+    @classmethod
+    def first_token(cls, out: RequestOutput) -> "StreamDelta":
+        """The prefill engine's output of a prompt's first token (finished there: the request
+        goes on on a decode engine) as the request's first delta: not finished, and without
+        the text a stream holds back after that token (`first_token_text`)."""
+        first = cls.of(out)
+        first.text, _ = first_token_text(first.text)
+        first.finished, first.finish_reason, first.stop_reason = False, None, None
+        return first
+
+
+# The first token's one trip to the caller. P's output of it goes there as soon as P has it
+# (StreamDelta.first_token, in the PrefillResult); D, which continues the request from that
+# token, leaves its own output of it out of the request's stream (`after_first_token`).
+# With stop strings, which D judges on that token's text and the next, the router holds P's
+# back instead, and D's stream carries the first token.
+#
+# A stream holds a token's text back while it ends in an unfinished character (U+FFFD,
+# pd_cluster/tokenizer.py: IncrementalDetokenizer); a finished output, as P's of the first
+# token is, flushes it. So P's delta shows what a stream would show, and D's stream has the
+# rest: with the next tokens, or alone if the request ends at the first token.
+UNFINISHED_CHARACTER = "\ufffd"
+
+
+def first_token_text(text: str) -> tuple[str, str]:
+    """The text of a finished output of one token (without stop strings) as (what the
+    request's stream shows once the token is out, what it holds back to the next token)."""
+    return ("", text) if text.endswith(UNFINISHED_CHARACTER) else (text, "")
+
+
+def after_first_token(out: RequestOutput) -> RequestOutput | None:
+    """D's first output of a request whose first token the caller has (P's): None, unless the
+    request ends at that token: then its end, without the token."""
+    if not out.finished:
+        return None
+    return replace(out, delta_token_ids=out.delta_token_ids[1:],
+                   delta_text=first_token_text(out.delta_text)[1])
 
 
 class StreamErrorKind(str, enum.Enum):

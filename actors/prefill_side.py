@@ -1,5 +1,5 @@
 """PrefillSide: an engine replica serving as P computes prompts' KV, hands it over to decode
-engines (its KVSender, actors/handoff.py). The
+engines (its KVSender, actors/handoff.py) and answers each prompt's first token. The
 EngineActor (actors/engine_actor.py) owns the engine loop, its KVEndpoint and the subscriber
 leases (what `PrefillHost` names); this is what it does with them while it serves P. (The
 whole exchange of router, P and D: router/disagg_client.py.)
@@ -13,7 +13,9 @@ Lifecycle of a request:
                              finishes (push: every write landed in D's blocks; pool: the
                              prompt's blocks put into the pool, held for D)
     handed over → done     → blocks released (they stay in the prefix cache) and a
-                             PrefillResult goes back to the caller
+                             PrefillResult goes back to the caller: the first token as the
+                             request's stream shows it (its one trip to the caller), and
+                             where the KV is
     the router's subscriber lease expires (it died; actors/subscribers.py) → aborted
     failure / abort / timeout → the handover is abandoned (push: writes aborted, D is told;
                              pool: the put fails and frees the pool's side), blocks freed,
@@ -30,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff, KVSender, opened
-from actors.messages import PrefillResult
+from actors.messages import PrefillResult, StreamDelta
 from actors.subscribers import Subscribers
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
@@ -91,10 +93,8 @@ class PrefillSide:
         landed = time.monotonic()
         self.stages.append((request_id, called, sent.prefilled, sent.started, landed))
         host.end.count(sent.kv_bytes, landed - sent.started)
-        o = sent.last.outputs[0]
-        return PrefillResult(o.token_ids[0], o.logprobs[0] if o.logprobs else None, sent.kv,
-                             sent.last.num_cached_tokens, sent.kv_bytes, landed - sent.started,
-                             sent.last)
+        return PrefillResult(StreamDelta.first_token(sent.last), sent.kv, sent.kv_bytes,
+                             landed - sent.started)
 
     async def _first_output(self, request_id: str, prompt_ids: list[int],
                             params: SamplingParams) -> RequestOutput:

@@ -6,9 +6,13 @@ KV pool). At start, once every replica is up, the client connects it (P–D chan
 KV pool) and opens it on every replica. One request:
     1. D.reserve      blocks for the prompt on the decode replica the route names
     2. P.prefill      the prefill replica computes the prompt and hands its KV over (push:
-                      layer by layer into D's blocks, while D still reserves)
+                      layer by layer into D's blocks, while D still reserves); the first token
+                      it answers goes to the caller at once
     3. D.decode       D obtains the KV (push: waits for the writes to land; pool: reads the
-                      blocks it lacks), then streams tokens
+                      blocks it lacks), then streams the tokens after the first
+The first token travels to the caller once: with stop strings (D judges its text with the
+next) the router holds P's back and D's stream carries it (actors/messages.py, "The first
+token's one trip").
 What the handoff leaves outside the engines (the pool's hold on a prompt's blocks) the client
 releases when the attempt ends early (abort, a dead D); else it expires in the pool.
 Failures, by where they happen:
@@ -142,16 +146,8 @@ class DisaggregatedClient:
                                               Route(d_id, route.prefill_id))
                     if early is not None:
                         self.stamps.append((attempt_id, entered, time.monotonic()))
-                        first_text = early.text
                         yield acc.add(early)
                     async for delta in self.streams.deltas(attempt_id, self.timeout_s):
-                        if early is not None:   # D's first output repeats the early token
-                            early = None
-                            delta = dataclasses.replace(delta, token_ids=delta.token_ids[1:],
-                                                        text=delta.text[len(first_text):],
-                                                        logprobs=_tail(delta.logprobs))
-                            if not (delta.finished or delta.token_ids):
-                                continue
                         yield acc.add(delta)
                     return
                 except RayActorError as e:
@@ -171,8 +167,9 @@ class DisaggregatedClient:
     async def _start(self, request_id: str, attempt_id: str, prompt: list[int],
                      params: SamplingParams, route: Route) -> StreamDelta | None:
         """Start one try on one decode replica (its outputs come through self.streams);
-        returns the first token's output when the prefill side already has it (TTFT does
-        not wait for D). Raises RayActorError if that replica dies."""
+        returns the first token's delta when the prefill side already has it (TTFT does
+        not wait for D; D's stream starts after it). Raises RayActorError if that replica
+        dies."""
         d = self.table.actors[DECODE][route.decode_id]
         self._where[request_id] = (attempt_id, None, d)
         if route.prefill_id is not None:
@@ -190,33 +187,34 @@ class DisaggregatedClient:
                 result = accepted
             if result is not None:
                 # With stop strings, D must judge the first token's text with the next.
-                early = None if params.stop else StreamDelta.of(_unfinished(result.first_output))
+                early = None if params.stop else result.first
                 # Not awaited here: the early token goes out while D waits for the KV; a
                 # failure to take it over surfaces through the request's stream.
-                self._resume(attempt_id, d, result, prompt, params)
+                self._resume(attempt_id, d, result, prompt, params, early is not None)
                 return early
         # D prefills it itself: by the route, for lack of room, or as the fallback.
         await d.generate.remote(attempt_id, prompt, params, self.streams.sub)
         return None
 
     def _resume(self, attempt_id: str, d: Any, result: Any, prompt: list[int],
-                params: SamplingParams) -> None:
+                params: SamplingParams, first_sent: bool) -> None:
         """D.decode in the background; its error (KV not landed, D died) ends the stream,
         except that a live D whose KV did not land (a failed read from the KV pool)
         prefills the prompt itself under the recompute policy, or whatever the policy when
-        the KV pool died: its stream starts over with the first token, which `generate`
-        drops as the early token's repeat."""
+        the KV pool died. `first_sent`: the caller has P's first token, so D's stream starts
+        after it, even when D prefills."""
         async def run() -> None:
             try:
                 try:
-                    await d.decode.remote(attempt_id, result, self.streams.sub)
+                    await d.decode.remote(attempt_id, result, self.streams.sub, first_sent)
                 except RayTaskError as e:
                     if not (self.recompute or isinstance(e.cause, PoolLost)):
                         raise
                     log.warning("%s: the KV did not land on decode (%s); it prefills itself",
                                 attempt_id, _reason(e))
                     await d.abort.remote(attempt_id)   # done with the id before its reuse
-                    await d.generate.remote(attempt_id, prompt, params, self.streams.sub)
+                    await d.generate.remote(attempt_id, prompt, params, self.streams.sub,
+                                            first_sent)
             except Exception as e:  # noqa: BLE001 - handed to the request's reader
                 self.streams.fail(attempt_id, e)
         task = asyncio.get_running_loop().create_task(run())
@@ -278,16 +276,6 @@ class DisaggregatedClient:
     async def loads(self, cursors: Mapping[tuple[str, int], int] | None = None
                     ) -> list[ReplicaLoad]:
         return await table_loads(self.table, cursors)
-
-
-def _unfinished(out: RequestOutput) -> RequestOutput:
-    """The prefill side's (finished) output of the first token, as the stream's first step."""
-    first = dataclasses.replace(out.outputs[0], finish_reason=None, stop_reason=None)
-    return dataclasses.replace(out, outputs=[first], finished=False)
-
-
-def _tail(logprobs: list | None) -> list | None:
-    return None if logprobs is None else logprobs[1:]
 
 
 async def _renewing(d: Any, request_id: str, prefill: Any) -> Any:

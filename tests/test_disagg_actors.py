@@ -11,6 +11,7 @@ from actors.messages import ReplicaLoad
 from engine_clients import collect, prefilled_tokens, prefilling
 from hf_reference import hf_greedy
 from pd_cluster import LLM, EngineConfig, SamplingParams
+from pd_cluster.tokenizer import load_tokenizer
 from router.routing import Route
 from tiny_models import make_tiny_model
 from waiting import wait_until, wait_until_async
@@ -169,6 +170,19 @@ def test_default_model_disaggregated_equals_colocated_and_overlaps(default_model
         posted = {layer: t for what, layer, t in marks if what == "posted"}
         # Transfer of layer i starts before layer i + 1's compute ends.
         assert all(posted[i] < computed[i + 1] for i in range(len(computed) - 1))
+        # The text too, when the first token (P's) splits a character that D's next tokens
+        # complete, or that stays unfinished as the request ends with that token: " 東" is
+        # a space and 東's first byte, then its other two bytes; pushed up, these tokens come
+        # first whatever the model says (" 東 東", " �" alone).
+        split_character = load_tokenizer(default_model_dir).encode(" 東")
+        assert len(split_character) == 3
+        for max_tokens in (1, 6):
+            split = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                   logit_bias={t: 100.0 for t in split_character})
+            want = LLM(default_model_dir).generate([[100, 200]], split)[0].outputs[0]
+            got = asyncio.run(collect(client, f"t{max_tokens}", [100, 200], split,
+                                      Route(0, 0))).outputs[0]
+            assert (got.text, got.token_ids) == (want.text, want.token_ids)
         wait_all_free(client, DRAINED_WITHIN_S)
     finally:
         shutdown(client)
