@@ -1,6 +1,7 @@
-"""The P/D protocol's parts that need no engine actor: the first token's one trip to the caller
-(actors/messages.py): P's delta of it, then D's stream after it, add up to what a colocated
-engine streams, token by token and character by character, wherever the first token splits a
+"""The P/D protocol's parts that need no engine actor: an attempt's stages and their only legal
+moves (router/disagg_attempt.py), and the first token's one trip to the caller (actors/
+messages.py): P's delta of it, then D's stream after it, add up to what a colocated engine
+streams, token by token and character by character, wherever the first token splits a
 character."""
 from __future__ import annotations
 
@@ -13,7 +14,57 @@ from pd_cluster.request import FinishReason, Request, RequestStatus
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.scheduler import ScheduledRequest, SchedulerOutput
 from pd_cluster.tokenizer import Tokenizer
+from router.disagg_attempt import TRANSITIONS, Attempt, Stage
 from test_tokenizer import MULTILINGUAL, tokenizer  # noqa: F401 (the default model's: a fixture)
+
+S = Stage
+
+
+# -- an attempt's stages -------------------------------------------------------------------
+@pytest.mark.parametrize("path", [
+    [S.PREFILLING, S.HANDED_OFF, S.DECODING, S.FINISHED],                 # the usual one
+    [S.PREFILLING, S.PREFILLING, S.HANDED_OFF, S.DECODING, S.FINISHED],   # P died: another P
+    [S.PREFILLING, S.LOCAL_PREFILL, S.DECODING, S.FINISHED],  # no room on D, P failed
+    [S.PREFILLING, S.HANDED_OFF, S.LOCAL_PREFILL, S.DECODING, S.FINISHED],  # KV did not land
+    [S.LOCAL_PREFILL, S.DECODING, S.FINISHED],                            # the route's choice
+    [S.PREFILLING, S.HANDED_OFF, S.DECODING, S.MIGRATED],                 # D died
+    [S.PREFILLING, S.FAILED], [S.HANDED_OFF, S.ABORTED], [S.LOCAL_PREFILL, S.MIGRATED],
+])
+def test_the_real_paths_are_legal(path):
+    attempt = Attempt("r", 0, None, path[0])
+    for stage in path[1:]:
+        attempt.move_to(stage)
+    assert attempt.stage is path[-1]
+
+
+@pytest.mark.parametrize("start, to", [
+    (S.PREFILLING, S.DECODING), (S.PREFILLING, S.FINISHED), (S.HANDED_OFF, S.PREFILLING),
+    (S.HANDED_OFF, S.FINISHED), (S.LOCAL_PREFILL, S.HANDED_OFF), (S.DECODING, S.LOCAL_PREFILL),
+    (S.DECODING, S.DECODING), (S.FINISHED, S.FAILED), (S.MIGRATED, S.DECODING),
+    (S.ABORTED, S.FINISHED), (S.FAILED, S.ABORTED),
+])
+def test_illegal_moves_are_refused_and_change_nothing(start, to):
+    attempt = Attempt("r#2", 1, None, start)
+    with pytest.raises(RuntimeError, match=f"attempt r#2: illegal transition {start.name}"):
+        attempt.move_to(to)
+    assert attempt.stage is start
+
+
+def test_every_stage_before_the_end_can_end_early_and_the_ends_are_final():
+    assert set(TRANSITIONS) == set(Stage)
+    ends = {S.FINISHED, S.MIGRATED, S.FAILED, S.ABORTED}
+    assert {s for s in Stage if s.ended} == ends
+    for stage in set(Stage) - ends:
+        assert {S.MIGRATED, S.FAILED, S.ABORTED} <= TRANSITIONS[stage]
+    assert S.FINISHED in TRANSITIONS[S.DECODING]
+
+
+def test_an_attempt_starts_where_its_route_says_under_its_own_id():
+    first = Attempt.start("req", 0, 1, "d1", 0)
+    assert (first.id, first.stage, first.p_id, first.first_sent) == ("req", S.PREFILLING, 0,
+                                                                     False)
+    again = Attempt.start("req", 2, 0, "d0", None)
+    assert (again.id, again.stage, again.d_id) == ("req#2", S.LOCAL_PREFILL, 0)
 
 
 # -- the first token's one trip --------------------------------------------------------------
