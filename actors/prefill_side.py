@@ -57,7 +57,7 @@ class PrefillSide:
         self.sender: KVSender | None = None
         self._releases: set[asyncio.Future] = set()
         # Recent requests' stage times (called, prefilled, handover started, KV in place),
-        # for diagnosing where a TTFT goes under load (bench/disagg_probe.py).
+        # for diagnosing where a TTFT goes under load (bench/harness/diagnostics.py).
         self.stages: collections.deque = collections.deque(maxlen=4096)
 
     @staticmethod

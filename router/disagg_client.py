@@ -93,8 +93,7 @@ class DisaggregatedClient:
         self._attempts: dict[str, Attempt] = {}    # request id → its current attempt
         self._pending: set[asyncio.Future] = set()  # D.decode replies nobody awaits any more
         # (attempt id, generate called, P's first token back) of recent requests, monotonic:
-        # with P's own stage stamps they say where a TTFT goes (pd_cluster/benchmark/
-        # diagnostics.py).
+        # with P's own stage stamps they say where a TTFT goes (bench/harness/diagnostics.py).
         self.stamps: collections.deque = collections.deque(maxlen=4096)
 
     def __getstate__(self) -> dict:
