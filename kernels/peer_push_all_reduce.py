@@ -107,13 +107,20 @@ def _push(x, push_ptrs, rank, parity, slot_elems, X, offs, m, WORLD: tl.constexp
 
 
 @triton.jit
-def _push_kernel(X, Out, n, slot_elems, push_ptrs, counters, failed, rank, max_spins,
-                 WORLD: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
-                 PDL: tl.constexpr):
+def _begin(counters, PDL: tl.constexpr):
+    """A push call's start: its inputs ready (PDL), this program, its count of push calls
+    with this one, and that count's parity."""
     wait_for_inputs(PDL)
     p = tl.program_id(0)
     epoch = tl.load(counters + p) + 1
-    parity = epoch % 2
+    return p, epoch, epoch % 2
+
+
+@triton.jit
+def _push_kernel(X, Out, n, slot_elems, push_ptrs, counters, failed, rank, max_spins,
+                 WORLD: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                 PDL: tl.constexpr):
+    p, epoch, parity = _begin(counters, PDL)
     for c in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
         offs = _in_half(0, c * BLOCK, BLOCK) + tl.arange(0, BLOCK)
         m = offs < n
@@ -135,10 +142,7 @@ def _push_rms_norm_kernel(X, Residual, ResidualOut, Weight, Out, Scale, eps, row
                           HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                           WORLD: tl.constexpr, PROGRAMS: tl.constexpr, QUANT: tl.constexpr,
                           PDL: tl.constexpr):
-    wait_for_inputs(PDL)
-    p = tl.program_id(0)
-    epoch = tl.load(counters + p) + 1
-    parity = epoch % 2
+    p, epoch, parity = _begin(counters, PDL)
     cols = tl.arange(0, BLOCK)
     m = cols < HIDDEN
     for r in range(p, rows, PROGRAMS):
