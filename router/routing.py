@@ -38,10 +38,6 @@ from pd_cluster.block_allocator import prefix_block_hashes
 from pd_cluster.role import Role
 
 Key = tuple[Role, int]   # (role, replica id)
-# router/disagg_client.py's names of the roles, until it imports Role itself; nothing else
-# uses them (issue 42, item 4: one name per idea).
-PREFILL, DECODE = Role.PREFILL, Role.DECODE
-
 # Own routes kept per replica until the replica has reported its KV cache size.
 DEFAULT_RECORD_BLOCKS = 4096
 # How long a prefix this router routed somewhere counts as held there without a report
