@@ -4,7 +4,7 @@ replica's client. `LocalRayHarness` hands these to bench/harness/sweep.py, which
 benchmarks themselves (`python -m bench.serving_sweep` is their command line: `main` here).
 
 Also what any test or benchmark that starts its own Serve app needs: `free_port`,
-`haproxy_wanted`, `ingress_env` (tests/serve_run.py, bench/router_overhead.py),
+`haproxy_wanted`, `ingress_env` (tests/support/serve_run.py, bench/router_overhead.py),
 `borrow_client` (a copy of the router replica's EngineClient) and `engine_actors` (the app's
 engine actor handles: bench/served_vs_offline.py).
 """

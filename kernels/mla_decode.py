@@ -158,7 +158,7 @@ def stage1_meta(num_heads: int, latent: int, rope: int, page_size: int, device: 
                 block_h: int = BLOCK_H, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
                 num_stages: int = NUM_STAGES) -> dict:
     """The stage-1 kernel's constexprs and launch options for these shapes (also what the
-    sm90 compile check in tests/test_kernels_mla.py builds)."""
+    sm90 compile check in tests/kernels/test_mla.py builds)."""
     return dict(NUM_HEADS=num_heads, LATENT=latent, ROPE=rope, PAGE_SIZE=page_size,
                 BLOCK_H=block_h, BLOCK_L=max(16, triton.next_power_of_2(latent)),
                 BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=block_n,

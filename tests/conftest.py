@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ray_support import environ, start_local_ray, stop_shared_ray
+from tests.support.ray_cluster import environ, start_local_ray, stop_shared_ray
 
 SHARED_SERVER = "default_server"
 SHARED_SERVER_LATER = "default_server_later"
@@ -62,6 +62,24 @@ def default_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(default_model_dir: str):
+    """The default model's tokenizer."""
+    from pd_cluster.tokenizer import load_tokenizer
+
+    loaded = load_tokenizer(default_model_dir)
+    assert loaded is not None
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def helm():
+    """A real helm v3 binary (fetched once: tests/support/helm.py)."""
+    from tests.support.helm import helm_binary
+
+    return helm_binary()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_root(tmp_path_factory) -> str:
     """A folder where tiny random checkpoints are saved once per test session."""
     return str(tmp_path_factory.mktemp("tiny_models"))
@@ -99,7 +117,7 @@ def default_server(_ray_session) -> Iterator[str]:
     API_KEY required: one server for every module that needs nothing else of it (starting and
     stopping one takes most of a minute on 2 cores). It stops the shared `ray_cluster`, so
     the tests that use it run last (pytest_collection_modifyitems)."""
-    from serve_run import API_KEY, API_KEY_ENV, serve_run
+    from tests.support.serve_run import API_KEY, API_KEY_ENV, serve_run
 
     with environ({API_KEY_ENV: API_KEY}), serve_run({"api_key_env": API_KEY_ENV}) as url:
         yield url

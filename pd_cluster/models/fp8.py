@@ -24,7 +24,7 @@ bf16 / fp16 out, a bias), but only as an emulation doing exactly this math (its 
 kernel casts both operands to float32, multiplies the scales in, makes w8.T contiguous, and
 calls matmul; on a CPU with AMX it goes to oneDNN instead), and it measured about twice as
 slow as doing it here (64x2048x2048 on this machine's 2 cores: 24.7 against 13.2 ms) because of
-that copy of the weight. The results agree to float32 rounding (tests/test_fp8_weights.py).
+that copy of the weight. The results agree to float32 rounding (tests/pd_cluster/models/test_fp8_weights.py).
 """
 from __future__ import annotations
 
