@@ -1,9 +1,13 @@
 """EngineActor: one engine replica of a disaggregated deployment, serving as P or as D, and
 able to change roles without reloading its model.
 
-Lifecycle of the actor (the engine controller drives it, router/fleet.py):
+Lifecycle of the actor (the engine controller drives it, router/control/fleet.py):
     __init__(config, role, id)  loads the model, starts the engine loop and a transport over
-                                the engine's KV cache (KVEndpoint); serves `role`
+                                the engine's KV cache (KVEndpoint); serves `role`; with
+                                `engine_lease_s` (a Serve application's detached engines),
+                                holds a lease from then on (actors/engine_lease.py)
+    renew_lease()               the controller's, every ENGINE_LEASE_RENEW_EVERY_S; without
+                                one for the lease, the actor ends its own process
     open_handoff(handoff, peers) the controller opens the deployment's KV handoff on it: its
                                 side opens its role's part (KVSender / KVReceiver: push, or
                                 through the KV pool, actors/handoff.py)
@@ -26,6 +30,7 @@ import time
 import ray
 
 from actors.decode_side import DecodeSide
+from actors.engine_lease import EngineLease
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff
 from actors.messages import KVDestination, PrefillResult, ReplicaLoad
@@ -61,10 +66,12 @@ class WrongRole(RuntimeError):
 class EngineActor(StreamingEngine):
     def __init__(self, config: EngineConfig, role: Role, replica_id: int, transport: str,
                  timeout_s: float = 120.0, lease_s: float = RESERVATION_LEASE_S,
-                 transfer_lease_s: float = LEASE_S) -> None:
+                 transfer_lease_s: float = LEASE_S, engine_lease_s: float | None = None
+                 ) -> None:
         """`lease_s`: how long D holds a reservation without a renewal; `transfer_lease_s`:
         the KV transport's lease (transfer/base.py), which also sets how long D fences blocks
-        a dead P may still write."""
+        a dead P may still write; `engine_lease_s`: this actor's own lease (None: none, its
+        owner's death ends it)."""
         role = Role.parse(role)
         self.lease_s = lease_s
         self.loop = EngineLoop(config, timeout_s, role, replica_id)
@@ -77,6 +84,8 @@ class EngineActor(StreamingEngine):
         self.side: PrefillSide | DecodeSide = self._side_for(role)
         if role is Role.PREFILL:
             self.loop.engine.async_scheduling = False   # before any request: no race
+        self.lease = (None if engine_lease_s is None
+                      else EngineLease(f"{role}-{replica_id}", engine_lease_s))
 
     @property
     def role(self) -> Role:
@@ -100,6 +109,16 @@ class EngineActor(StreamingEngine):
         """Hand the KV of prompts over (P) or take it (D) this way from now on; `peers`: the
         other role's KV descriptors, for a handoff that addresses them."""
         await self.side.open(handoff, peers)
+
+    async def handoff_open(self) -> bool:
+        """Whether the controller has opened the handoff here (a controller that adopts
+        this actor joins it only if not)."""
+        side = self.side
+        return (side.sender if isinstance(side, PrefillSide) else side.receiver) is not None
+
+    async def renew_lease(self) -> float:
+        """Renew this actor's lease (actors/engine_lease.py); returns its length."""
+        return 0.0 if self.lease is None else self.lease.renew()
 
     async def add_peer(self, descriptor: bytes) -> None:
         """Connect to an engine of the other role that joined after us."""
