@@ -13,6 +13,7 @@ the configured dtypes (FP8 linear weights and KV: one byte an element).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -57,15 +58,19 @@ def start_decoding(engine, batch: int, context: int, low: int, high: int, seed: 
 
 
 def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float,
-                 weight_bytes: int, kv_token_bytes: int) -> dict:
+                 weight_bytes: int, kv_token_bytes: int,
+                 timed: contextlib.AbstractContextManager | None = None) -> dict:
+    """`timed`: entered around the timed steps alone, its exit after their time is taken
+    (bench/tp_bench.py counts the experts they route to)."""
     engine = llm.engine
     ids = start_decoding(engine, batch, context, 1000, 120000, seed=batch * 7 + context)
     computed = sum(engine.scheduler.requests[i].num_computed_tokens for i in ids)
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t) / steps
+    with timed or contextlib.nullcontext():
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - t) / steps
     running = len(engine.scheduler.running)   # all of them, unless the KV pool ran short
     # KV read per step: the batch's mean context over the timed steps.
     kv_tokens = (computed + sum(engine.scheduler.requests[i].num_computed_tokens

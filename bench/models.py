@@ -20,7 +20,23 @@ LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672,
 TINY_LLAMA = {**LLAMA_31_8B, "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 4096, "rope_scaling": None, "torch_dtype": "float32"}
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "tiny-llama": TINY_LLAMA}
+# Qwen3-30B-A3B's published config.json (what transformers' Qwen3MoeConfig and our loader read):
+# 48 layers, every one sparse, of 128 experts (top-8, renormalized); 32 query heads of 128 over
+# a hidden size of 2048, so head_dim is not hidden / heads. intermediate_size is the dense MLP's,
+# which no layer has (mlp_only_layers is empty).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "hidden_act": "silu",
+    "sliding_window": None, "use_sliding_window": False, "max_window_layers": 48,
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "tiny-llama": TINY_LLAMA,
+          "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def dummy_model_dir(shape: str = "llama-3.1-8b", tokenizer_from: str | None = None) -> str:
@@ -37,34 +53,98 @@ def dummy_model_dir(shape: str = "llama-3.1-8b", tokenizer_from: str | None = No
     return path
 
 
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="write a dummy model directory; print its path")
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    ap.add_argument("--tokenizer-from", default=None)
-    a = ap.parse_args()
-    print(dummy_model_dir(a.shape, a.tokenizer_from))
-
-
 def params_bytes(cfg: dict, itemsize: int = 2, linear_itemsize: int | None = None) -> int:
-    """Bytes of weights one decode step reads (embedding rows aside: one row per token);
-    `linear_itemsize`: of the decoder layers' linear weights when it differs (FP8: 1, their
-    per-channel float32 scales counted; the norms and lm_head keep `itemsize`)."""
+    """Bytes of weights one decode step reads whatever its tokens (embedding rows aside: one
+    row per token): a dense model's all; a mixture of experts' all but the experts (attention,
+    routers, norms, any dense layer's MLP, lm_head), whose routed share `decode_weight_bytes`
+    adds. `linear_itemsize`: of the decoder layers' linear weights when it differs (FP8: 1,
+    their per-channel float32 scales counted; the norms, routers and lm_head keep `itemsize`)."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // heads
-    linear = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * i
-    outputs = (heads + 2 * kv) * d + h + 2 * i + h          # one scale per output channel
+    heads, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
+    layers, sparse = cfg["num_hidden_layers"], moe_layers(cfg)
     li = itemsize if linear_itemsize is None else linear_itemsize
-    scales = 0 if linear_itemsize is None else 4 * outputs
-    layer = linear * li + scales + 2 * h * itemsize
-    return cfg["num_hidden_layers"] * layer + (v * h + h) * itemsize
+    scale = 0 if linear_itemsize is None else 4             # one per output channel
+    attention = (h * (heads + 2 * kv) * d + heads * d * h) * li + scale * ((heads + 2 * kv) * d + h)
+    norms = 2 * h * itemsize + (2 * d * itemsize if _qk_norm(cfg) else 0)
+    mlp = 3 * h * i * li + scale * (2 * i + h)
+    router = num_experts(cfg) * h * itemsize
+    return (layers * (attention + norms) + (layers - sparse) * mlp + sparse * router
+            + (v * h + h) * itemsize)
 
 
 def kv_bytes_per_token(cfg: dict, itemsize: int = 2) -> int:
-    d = cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * itemsize
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim(cfg) * itemsize
+
+
+def head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _qk_norm(cfg: dict) -> bool:
+    return cfg["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+# -- mixtures of experts ------------------------------------------------------------------------
+# A MoE decode step reads, per sparse layer, the experts its tokens route to: their union over
+# the batch, not all of them (at Qwen3-30B-A3B's 128 experts, top-8, batch 64 routes to about
+# 126). Dummy weights route nearly uniformly: random router rows against hidden states of
+# random tokens favour no expert. bench/tp_bench.py also counts the experts actually routed
+# (pd_cluster/models/moe.py's counters) and bases its roofline on those.
+
+
+def num_experts(cfg: dict) -> int:
+    """Experts per sparse layer (0: a dense model); Mixtral's config says num_local_experts."""
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+
+
+def moe_layers(cfg: dict) -> int:
+    """The decoder layers holding experts (pd_cluster/config.py ModelConfig.is_moe_layer)."""
+    if not num_experts(cfg):
+        return 0
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    return sum(1 for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def expert_bytes(cfg: dict, itemsize: int = 2) -> int:
+    """One expert's gate, up and down projections (Mixtral's experts are intermediate_size
+    wide)."""
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    return 3 * cfg["hidden_size"] * inter * itemsize
+
+
+def expected_routed_experts(experts: int, top_k: int, tokens: int,
+                            local: int | None = None) -> float:
+    """The expected number of distinct experts (of `local` of them, default all) that `tokens`
+    tokens route to, each token to `top_k` distinct ones of `experts`, uniformly: a token
+    picks a given expert with probability K/E, so E_local * (1 - (1 - K/E)^T)."""
+    return (experts if local is None else local) * (1 - (1 - top_k / experts) ** tokens)
+
+
+def decode_weight_bytes(cfg: dict, tokens: int, tp: int = 1, expert_parallel: bool = False,
+                        routed: float | None = None, itemsize: int = 2,
+                        linear_itemsize: int | None = None) -> float:
+    """Bytes of weights one GPU reads for a decode step of `tokens` tokens: its 1/tp of
+    `params_bytes` and, of a MoE model, of each sparse layer's routed experts. Under tensor
+    parallelism a GPU reads its 1/tp slice of every routed expert; under expert parallelism
+    (tp ranks) the whole of those routed among its E/tp. `routed`: the experts per layer that
+    GPU reads (measured; under expert parallelism the busiest rank's), else the uniform
+    routing's expectation (`expected_routed_experts`)."""
+    base = params_bytes(cfg, itemsize, linear_itemsize) / tp
+    experts = num_experts(cfg)
+    if not experts:
+        return base
+    local = experts // tp if expert_parallel else experts
+    if routed is None:
+        routed = expected_routed_experts(experts, cfg["num_experts_per_tok"], tokens, local)
+    per_expert = expert_bytes(cfg, itemsize) / (1 if expert_parallel else tp)
+    return base + moe_layers(cfg) * routed * per_expert
+
+
+def resident_weight_bytes(cfg: dict, tp: int = 1, itemsize: int = 2) -> float:
+    """Bytes of weights one GPU holds, embedding aside: `params_bytes` / tp plus its share
+    of all the experts (a 16-bit model; EP or TP, each GPU holds 1/tp of them)."""
+    return (params_bytes(cfg, itemsize)
+            + moe_layers(cfg) * num_experts(cfg) * expert_bytes(cfg, itemsize)) / tp
 
 
 def word_tokenizer(path: str, vocab_size: int) -> str:
@@ -88,3 +168,13 @@ def word_tokenizer(path: str, vocab_size: int) -> str:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
                    "eos_token": "</s>", "unk_token": "<unk>"}, f)
     return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write a dummy model directory; print its path")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--tokenizer-from", default=None)
+    a = ap.parse_args()
+    print(dummy_model_dir(a.shape, a.tokenizer_from))

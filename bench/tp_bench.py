@@ -2,6 +2,7 @@
 
     python -m bench.tp_bench [--shape llama-3.1-8b] [--tp 1,2] [--batches 64,128]
         [--context 1024] [--prefill 8x2048] [--quantization fp8] [--kv-cache-dtype fp8]
+        [--expert-parallel]
 
 Each TP size runs in a process of its own (one after another, GPUs 0..N-1), and the parent
 prints one JSON object: each run's results and, for every size after the first, its ratios to
@@ -14,6 +15,15 @@ through `engine.step()` with async scheduling, as bench/engine_bench.py does):
   profile's kernel time per step and its top kernels.
 Prefill: `--prefill N x L` prompts of random tokens, one output token each, tok/s (the best of
 three after a warm-up).
+
+Mixtures of experts (`--shape qwen3-30b-a3b`): a decode step reads only the experts its batch
+routes to, so the roofline's weights are the non-expert ones plus, per sparse layer, those
+experts (bench/models.py decode_weight_bytes): how many, the model's own counters say (the
+distinct experts each timed step routed to, per layer; pd_cluster/models/moe.py), beside the
+uniform routing's expectation (`routed_experts_per_layer`; `roofline_expected_ms`).
+`--expert-parallel`: the sizes after 1 hold whole experts, E / tp per GPU (the engine's
+enable_expert_parallel; attention stays tensor-parallel), their runs and ratios named
+"ep<tp>"; each GPU then reads the routed experts among its own.
 """
 from __future__ import annotations
 
@@ -28,7 +38,9 @@ from pathlib import Path
 import torch
 
 from bench.engine_bench import copy_bandwidth, decode_steps, prefill, start_decoding
-from bench.models import SHAPES, dummy_model_dir, kv_bytes_per_token, params_bytes
+from bench.models import (SHAPES, decode_weight_bytes, dummy_model_dir, expected_routed_experts,
+                          expert_bytes, kv_bytes_per_token, moe_layers, num_experts,
+                          params_bytes, resident_weight_bytes)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,10 +79,12 @@ def collective_ms(llm, batch: int, context: int, steps: int = 8) -> dict:
 
 def run_one(args) -> dict:
     from pd_cluster import LLM
+    from pd_cluster.models.moe import COUNT_ROUTED
 
     cfg = SHAPES[args.shape]
     fp8_weights, fp8_kv = args.quantization == "fp8", args.kv_cache_dtype == "fp8"
     tp = args.tp_one
+    ep = args.expert_parallel and tp > 1
     local_kv = max(1, cfg["num_key_value_heads"] // tp)
     weight_bytes = params_bytes(cfg, 2, 1 if fp8_weights else None) / tp
     kv_token_bytes = (kv_bytes_per_token(cfg, 1 if fp8_kv else 2) * local_kv
@@ -81,6 +95,12 @@ def run_one(args) -> dict:
            "shape": args.shape,
            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
            "weight_gb_per_gpu": weight_bytes / 1e9, "kv_bytes_per_token_per_gpu": kv_token_bytes}
+    if args.expert_parallel:
+        res["expert_parallel"] = ep
+    if num_experts(cfg):
+        res["weight_gb_per_gpu"] = resident_weight_bytes(cfg, tp) / 1e9
+        res["moe"] = moe_shape(cfg, tp, ep)
+        os.environ[COUNT_ROUTED] = "1"      # before the model is built (and its graphs)
     bw = copy_bandwidth()
     res["copy_bandwidth_GBps"] = bw / 1e9
     began = time.perf_counter()
@@ -88,17 +108,85 @@ def run_one(args) -> dict:
               tensor_parallel_size=tp, max_num_seqs=max(batches), max_num_batched_tokens=16384,
               max_model_len=max(args.context + 512, _prefill_len(args) + 16),
               quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, **extra)
+              kv_cache_dtype=args.kv_cache_dtype,
+              **({"enable_expert_parallel": True} if ep else {}), **extra)
     res["engine_start_s"] = time.perf_counter() - began
     res["peer_all_reduce"] = _peer_on()
-    res["decode"] = [decode_steps(llm, b, args.context, args.steps, bw, weight_bytes,
-                                  kv_token_bytes) for b in batches]
+    if num_experts(cfg):
+        res["decode"] = [moe_decode_steps(llm, cfg, b, args, bw, kv_token_bytes, tp, ep)
+                         for b in batches]
+    else:
+        res["decode"] = [decode_steps(llm, b, args.context, args.steps, bw, weight_bytes,
+                                      kv_token_bytes) for b in batches]
     res["collectives"] = [collective_ms(llm, b, args.context) for b in batches]
     if args.prefill:
         n, length = (int(v) for v in args.prefill.split("x"))
         res["prefill"] = prefill(llm, n, length)
     llm.close()
     return res
+
+
+def moe_shape(cfg: dict, tp: int, ep: bool) -> dict:
+    return {"experts": num_experts(cfg), "top_k": cfg["num_experts_per_tok"],
+            "sparse_layers": moe_layers(cfg), "expert_mb": expert_bytes(cfg) / 1e6,
+            "expert_parallel": ep, "experts_per_gpu": num_experts(cfg) // (tp if ep else 1),
+            "non_expert_gb_per_gpu": params_bytes(cfg) / tp / 1e9}
+
+
+class RoutedExperts:
+    """Entered around decode steps: the experts they routed to, from the model's counters
+    (pd_cluster/models/moe.py; rank 0's, which see every rank's routing). Per sparse layer
+    and step, the distinct experts: in all (`union`) and on the busiest of `ranks` GPUs that
+    hold E / ranks whole experts each (`per_gpu`; ranks 1: every GPU reads a slice of all);
+    each the mean over steps and layers, the latter the max over ranks first."""
+
+    def __init__(self, model, ranks: int):
+        self.model, self.ranks = model, ranks
+        self.union = self.per_gpu = self.forwards = None
+
+    def __enter__(self) -> "RoutedExperts":
+        from pd_cluster.models.moe import routed_counts
+
+        self._start = routed_counts(self.model)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        from pd_cluster.models.moe import routed_counts
+
+        if exc_type is not None:
+            return
+        delta = (routed_counts(self.model) - self._start).double()
+        forwards = delta[:, -1:]
+        share = delta[:, :-1] / forwards        # per expert: the share of steps it served
+        self.forwards = forwards.mean().item()
+        self.union = share.sum(1).mean().item()
+        by_rank = share.view(share.shape[0], self.ranks, -1).sum(-1)
+        self.per_gpu = by_rank.max(1).values.mean().item()
+
+
+def moe_decode_steps(llm, cfg: dict, batch: int, args, bw: float, kv_token_bytes: float,
+                     tp: int, ep: bool) -> dict:
+    """engine_bench.decode_steps with the MoE roofline (module docstring): its weight bytes
+    those of the experts the timed steps routed to, measured; `roofline_expected_ms` with
+    uniform routing's expectation instead."""
+    routed = RoutedExperts(llm.engine.runner.model, tp if ep else 1)
+    expected_bytes = decode_weight_bytes(cfg, batch, tp, ep)
+    row = decode_steps(llm, batch, args.context, args.steps, bw, expected_bytes,
+                       kv_token_bytes, timed=routed)
+    kv = row["mean_context"] * batch * kv_token_bytes
+    weight = decode_weight_bytes(cfg, batch, tp, ep, routed.per_gpu)
+    roofline = (weight + kv) / bw
+    experts, top_k = num_experts(cfg), cfg["num_experts_per_tok"]
+    return {**row, "roofline_ms": roofline * 1e3,
+            "ratio_to_roofline": row["step_ms"] / 1e3 / roofline,
+            "roofline_expected_ms": row["roofline_ms"], "weight_gb_read_per_gpu": weight / 1e9,
+            "kv_gb_read_per_gpu": kv / 1e9,
+            "routed_experts_per_layer": {
+                "forwards": routed.forwards, "measured": routed.union,
+                "expected": expected_routed_experts(experts, top_k, batch),
+                "measured_per_gpu": routed.per_gpu,
+                "expected_per_gpu": expected_routed_experts(
+                    experts, top_k, batch, experts // tp if ep else None)}}
 
 
 def _prefill_len(args) -> int:
@@ -119,6 +207,11 @@ def ratios(base: dict, run: dict) -> dict:
     return out
 
 
+def label(run: dict) -> str:
+    """A run's name: its TP size, "ep<size>" under expert parallelism."""
+    return f"ep{run['tp']}" if run.get("expert_parallel") else str(run["tp"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -131,8 +224,14 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--engine", action="append", default=[], metavar="FIELD=JSON",
                     help="another EngineConfig field, e.g. peer_all_reduce=false")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="MoE shapes: sizes after 1 hold whole experts (enable_expert_parallel)")
     ap.add_argument("--tp-one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if num_experts(SHAPES[args.shape]) and args.quantization:
+        ap.error(f"{args.shape}: FP8 experts are not supported yet")
+    if args.expert_parallel and not num_experts(SHAPES[args.shape]):
+        ap.error(f"--expert-parallel: {args.shape} has no experts")
     if args.tp_one is not None:
         print(json.dumps(run_one(args)))
         return
@@ -149,8 +248,10 @@ def main() -> None:
             sys.stderr.write(done.stderr[-4000:])
             raise SystemExit(f"tp={tp} failed ({done.returncode})")
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        # As it goes, so that a run cut short keeps the sizes done.
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     result = {"runs": runs,
-              "ratios_to_first": {str(r["tp"]): ratios(runs[0], r) for r in runs[1:]}}
+              "ratios_to_first": {label(r): ratios(runs[0], r) for r in runs[1:]}}
     print(json.dumps(result, indent=1))
 
 

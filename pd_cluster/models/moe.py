@@ -17,9 +17,15 @@ writes them (`experts.{e}.gate_proj/up_proj/down_proj.weight`, Mixtral's
 `block_sparse_moe.experts.{e}.w1/w3/w2.weight`), or fused 3D tensors, transformers v5's
 modules (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), which are also
 this module's parameters.
+
+Benchmarks count the experts each forward routes to (`COUNT_ROUTED` in the environment when
+the model is built; `routed_counts` reads them): a decode step reads those experts' weights,
+so their number per layer is its roofline's (bench/tp_bench.py). Off by default: the counting
+adds four small kernels a layer, in the CUDA graphs too.
 """
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -30,6 +36,8 @@ from pd_cluster.distributed import get_tp
 from pd_cluster.models import ops
 from pd_cluster.models.parallel import _check_fits, _parameter
 
+# "1": every SparseMoE built from now on counts the experts it routes to (module docstring).
+COUNT_ROUTED = "PD_CLUSTER_COUNT_ROUTED"
 # A per-expert checkpoint tensor: layer prefix, expert, projection.
 _PER_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
@@ -147,6 +155,31 @@ class SparseMoE(nn.Module):
                            cfg.norm_topk_prob)
         self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                expert_parallel)
+        # [E + 1] int64 when counting (module docstring): routed[e] the forwards in which some
+        # token chose global expert e, routed[E] the forwards. Not a weight: not saved.
+        counting = os.environ.get(COUNT_ROUTED) == "1"
+        self.register_buffer("routed", torch.zeros(cfg.num_experts + 1, dtype=torch.int64)
+                             if counting else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, *self.gate(x))
+        topk_weights, topk_ids = self.gate(x)
+        if self.routed is not None:
+            self._count(topk_ids)
+        return self.experts(x, topk_weights, topk_ids)
+
+    def _count(self, topk_ids: torch.Tensor) -> None:
+        """On the device, no host sync (CUDA graphs capture it): one more forward, and one
+        more for each expert some token chose (the padding rows of a graph's batch too)."""
+        hit = torch.zeros_like(self.routed)
+        hit.index_fill_(0, topk_ids.flatten(), 1)
+        hit[-1] = 1
+        self.routed += hit
+
+
+def routed_counts(model: nn.Module) -> torch.Tensor | None:
+    """[sparse layers, E + 1] on the CPU: the counters of the model's SparseMoE layers
+    (`SparseMoE.routed`), None when they do not count. Under tensor parallelism every rank
+    routes every token alike (the router is replicated), so one rank's counters see all."""
+    counters = [m.routed for m in model.modules()
+                if isinstance(m, SparseMoE) and m.routed is not None]
+    return torch.stack(counters).cpu() if counters else None
