@@ -1,5 +1,6 @@
 """The fused MoE (kernels/fused_moe_triton.py) against kernels/fused_moe.py's reference, and its
-sort (kernels/moe_align.py) against a brute-force one; the kernels compile for Hopper.
+sort (kernels/moe_align.py) against a brute-force one (their compile for Hopper:
+tests/kernels/test_moe_compile.py).
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 in fp32 (the interpreter's tl.dot is wrong
 on bf16, and it truncates where the GPU rounds), where every step is the reference's up to
@@ -10,16 +11,11 @@ The silu of the gate/up rows of pairs routed to other ranks' experts reads memor
 written (the launcher leaves those rows alone, and nothing reads their result): numpy's
 warnings about it are filtered.
 """
-from tests.support import REPO
 from kernels.testing import use_interpreter_without_gpu
 
 INTERPRETED = use_interpreter_without_gpu()
 
-import json  # noqa: E402
-import os  # noqa: E402
 import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -240,70 +236,3 @@ def test_tiles_fit_shared_memory_for_real_shapes():
                 stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * (1 if fp8 else 2)
                 assert cfg.num_stages * stage_bytes <= 232448 and cfg.block_k >= 32
     assert seen == {16, 32, 64}
-
-
-# -- the Triton kernels compile for Hopper ----------------------------------------------------
-
-COMPILE = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels import fused_moe_triton as moe
-
-H, I, E, K = 2048, 768, 128, 8       # Qwen3-30B-A3B's MoE layer
-INTS = ("N", "K", "pairs", "stride_am", "stride_be", "stride_bn", "stride_cm", "stride_bse",
-        "H", "stride_out", "first_expert", "num_experts")
-DIVISIBLE = ("N", "K", "stride_am", "stride_be", "stride_bn", "stride_cm", "stride_bse", "H",
-             "stride_out")
-
-
-def compile(fn, types, const, warps, stages=None):
-    sig = {a: types.get(a, "i32" if a in INTS else "constexpr") for a in fn.arg_names}
-    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-               for a, t in sig.items() if t.startswith("*") or a in DIVISIBLE}
-    options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs={**const, "PDL": True},
-                                      attrs=aligned),
-                            target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = kernel.asm["ptx"]
-    return {"mma": sorted(set(re.findall(r"\b(w?gmma\.\w+|mma\.sync)", ptx))),
-            "shared": kernel.metadata.shared}
-
-
-out = {}
-for fp8 in (False, True):
-    elem, scale = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
-    types = {"A": elem, "B": elem, "C": "*bf16", "SortedIds": "*i32", "ExpertIds": "*i32",
-             "AScale": scale, "BScale": scale}
-    for tokens in (1, 4096):
-        for name, n, k, per_row in (("up", 2 * I, H, K), ("down", H, I, 1)):
-            cfg = moe.tiles(tokens * K, E, n, k, fp8)
-            const = {"PAIRS_PER_ROW": per_row, "SCALED": fp8, "BLOCK_M": cfg.block_m,
-                     "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
-            out[f"{'fp8' if fp8 else 'bf16'}_{name}_T{tokens}"] = compile(
-                moe._moe_gemm_kernel, types, const, cfg.num_warps, cfg.num_stages)
-out["sum"] = compile(moe._moe_sum_kernel, {"Y": "*bf16", "TopkIds": "*i64",
-                     "TopkWeights": "*fp32", "Out": "*bf16"},
-                     {"TOP_K": K, "K_POW2": K, "BLOCK_H": moe.SUM_BLOCK}, 4)
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.slow       # a process that imports torch and Triton, nine compiles
-def test_moe_kernels_compile_for_sm90_on_the_tensor_cores():
-    """Compiled with the launcher's own constexprs (Qwen3-30B-A3B shapes, bf16 and FP8, a
-    decode and a prefill batch), not under the interpreter, which accepts code the compiler
-    refuses: each GEMM multiplies on the tensor cores (wgmma for 64-row tiles, mma.sync for
-    the narrower ones) within a Hopper SM's shared memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    for name, info in compiled.items():
-        assert info["shared"] <= 232448, (name, info)
-        if name != "sum":
-            assert info["mma"], (name, info)
-    for name in ("bf16_up_T4096", "bf16_down_T4096", "fp8_up_T4096", "fp8_down_T4096"):
-        assert any(op.startswith("wgmma") for op in compiled[name]["mma"]), compiled[name]
