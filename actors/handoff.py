@@ -74,8 +74,8 @@ class KVEndpoint:
         return self.descriptor.layout
 
     def bytes_of(self, num_blocks: int) -> int:
-        """Bytes of `num_blocks` blocks, K and V of every layer."""
-        return num_blocks * self.layout.block_bytes * 2 * self.layout.num_layers
+        """Bytes of `num_blocks` blocks, every layer's K and V (or latent)."""
+        return num_blocks * self.layout.bytes_per_block_id
 
     async def connect(self, descriptor: bytes) -> str:
         """Open a channel to a peer's KV cache, once per peer; returns the peer's agent name."""

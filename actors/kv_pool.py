@@ -218,7 +218,7 @@ class DistributedKVCache:
             ix = self.index
             reserved = sum(len(p.grant.block_ids) for p in self._pending.values()
                            if p.kind == "put" and not p.settled)
-            block_bytes = self.transport.layout.block_bytes * 2 * self.transport.layout.num_layers
+            block_bytes = self.transport.layout.bytes_per_block_id
             return dict(capacity=ix.num_blocks, free=len(ix.free_ids), cached=len(ix.cached),
                         reserved=reserved, pinned=len(ix.pins), holds=len(self._holds),
                         request_blocks=len(ix.orphans) + sum(

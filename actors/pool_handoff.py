@@ -183,7 +183,7 @@ class PoolHandoff(KVHandoff):
             # room for what a prefill engine holds at once, plus a prefix cache the size of one.
             kv = KVDescriptor.decode(descriptor)
             s = self.settings
-            block_bytes = kv.layout.block_bytes * 2 * kv.layout.num_layers
+            block_bytes = kv.layout.bytes_per_block_id
             layout = dataclasses.replace(
                 kv.layout, num_blocks=s.num_blocks(block_bytes, kv.layout.num_blocks))
             nodes = _alive_nodes() if s.placement == "per_node" else [None]

@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pd_cluster.config_errors import validate_config
+from pd_cluster.models.deepseek_config import (DEEPSEEK_ARCHITECTURES, GroupedRouting,
+                                               MLAConfig, deepseek_fields)
 from pd_cluster.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:       # torch only where a method needs it: the config imports without it
     import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                           *DEEPSEEK_ARCHITECTURES)
 # Weight quantization an engine can serve (EngineConfig.quantization, ModelConfig.quantization).
 SUPPORTED_QUANTIZATION = ("fp8",)
 # Checkpoint formats of FP8 weights (config.json quantization_config.quant_method).
@@ -30,7 +33,11 @@ class ModelConfig:
 
     Mixture of experts (Qwen3-MoE, Mixtral; `num_experts` > 0): the layers `is_moe_layer`
     names replace the gated MLP with `num_experts` experts of `moe_intermediate_size`, each
-    token routed to `num_experts_per_tok` of them (pd_cluster/models/moe.py)."""
+    token routed to `num_experts_per_tok` of them (pd_cluster/models/moe.py).
+
+    DeepSeek-V2/V3 (`mla` set): multi-head latent attention, its KV cache one latent entry
+    per token and layer (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim), and
+    `routing`, its grouped router (pd_cluster/models/deepseek_config.py)."""
 
     architecture: str
     vocab_size: int
@@ -63,8 +70,14 @@ class ModelConfig:
     # (Qwen3-MoE's; Mixtral's every layer is sparse).
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    mla: MLAConfig | None = None
+    routing: GroupedRouting | None = None
 
     def __post_init__(self) -> None:
+        if self.mla is not None and self.quantization == "fp8":
+            raise ValueError(f"{self.architecture}: FP8 weights are not supported for "
+                             f"DeepSeek models (serve a 16-bit checkpoint without "
+                             f"quantization: fp8)")
         if self.num_experts and self.quantization == "fp8":
             # fused_moe has no FP8 weights yet, and 16-bit experts beside FP8 attention would
             # serve a model other than the one asked for.
@@ -75,6 +88,16 @@ class ModelConfig:
         """Whether decoder layer `layer` holds experts (else the dense gated MLP)."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors per layer of the KV cache: K and V, or one latent (MLA)."""
+        return 1 if self.mla is not None else 2
+
+    def kv_bytes_per_token(self, itemsize: int, num_kv_heads: int | None = None) -> int:
+        """KV cache bytes of one token over every layer (`num_kv_heads`: a rank's own)."""
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return self.kv_parts * self.num_layers * heads * self.head_dim * itemsize
 
     @property
     def has_dense_layers(self) -> bool:
@@ -99,7 +122,7 @@ class ModelConfig:
         # transformers v5 moved rope settings into `rope_parameters`.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -117,8 +140,11 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             quantization=checkpoint_quantization(cfg.get("quantization_config")),
-            **_moe_fields(arch, cfg),
         )
+        # DeepSeek's attention and experts read differently (their fields replace these).
+        fields.update(deepseek_fields(arch, cfg) if arch in DEEPSEEK_ARCHITECTURES
+                      else _moe_fields(arch, cfg))
+        return cls(**fields)
 
     def with_quantization(self, requested: str | None) -> "ModelConfig":
         """This model as an engine with `quantization: requested` builds it: "fp8" makes the

@@ -12,8 +12,16 @@ _PER_CACHE = frozenset({"num_blocks", "num_kv_heads", "head_start"})
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """One tensor per KV cache (shard): [num_layers, 2 (K, V), num_blocks, block_size,
-    num_kv_heads, head_dim].
+    """One tensor per KV cache (shard): [num_layers, parts, num_blocks, block_size,
+    num_kv_heads, head_dim], parts 2 (K, V), or 1 for a `latent` cache.
+
+    A latent cache (multi-head latent attention, DeepSeek-V2/V3) holds per token and layer
+    one vector: the normalised latent c (kv_lora_rank values) then the rotated RoPE key k_pe
+    (qk_rope_head_dim), as one "head" (num_kv_heads 1, head_dim L + R); every query head
+    reads it. Blocks of it are runs of bytes as a K or V block is, so transports move it as
+    any cache, with `parts` regions per layer instead of 2:
+
+        [layer 0: | b0 | b1 | ... ] [layer 1: | b0 | b1 | ... ] ...     (no V region)
 
     A block of one layer's K (or V) is contiguous, and so are consecutive block ids, which is
     what lets transports merge runs of blocks into single transfers.
@@ -23,6 +31,12 @@ class KVLayout:
     num_kv_heads) of `total_kv_heads`. With fewer KV heads than ranks several shards hold the
     same head (replicated). `total_kv_heads` 0 means num_kv_heads (an unsharded cache), and is
     normalised to it, so a layout built without the two shard fields is the whole cache.
+
+    A latent cache is replicated, never split: its one head is on every attention rank
+    (each rank computes the same latent; only the query heads split). So P at tp=a -> D at
+    tp=b needs no mapping of heads: every D rank's shard takes head 0 from P's first shard
+    (transfer/shards.py head_sources picks the first source holding a head), i.e. a
+    receiver needs one sender's copy, and the other P ranks' copies are never read.
 
     `dtype` "float8_e4m3fn" (kv_cache_dtype fp8) comes with `kv_scales`: per layer a (K
     scale, V scale) pair, a stored value meaning fp8 * scale (pd_cluster/kv_scales.py).
@@ -40,6 +54,7 @@ class KVLayout:
     head_start: int = 0   # the model's index of this tensor's first KV head
     total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, i.e. unsharded)
     kv_scales: tuple[tuple[float, float], ...] = ()   # fp8: per layer (K, V); else empty
+    latent: bool = False  # one latent entry per token and layer (MLA) instead of K and V
 
     def __post_init__(self) -> None:
         # Tuples of floats however they came (msgpack hands lists back), so layouts compare.
@@ -50,14 +65,22 @@ class KVLayout:
                              f"{self.num_layers} layers")
         if not self.total_kv_heads:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if self.latent and (self.kv_scales or self.total_kv_heads != 1):
+            raise ValueError("a latent KV cache has one head (c and k_pe together) and no "
+                             "fp8 scales")
         if (self.num_kv_heads < 1 or self.head_start < 0
                 or self.head_start + self.num_kv_heads > self.total_kv_heads):
             raise ValueError(f"KV heads [{self.head_start}, {self.head_start + self.num_kv_heads})"
                              f" are not within the model's {self.total_kv_heads}")
 
     @property
+    def parts(self) -> int:
+        """Tensors per layer: K and V (2), or the latent (1)."""
+        return 1 if self.latent else 2
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+        return (self.num_layers, self.parts, self.num_blocks, self.block_size, self.num_kv_heads,
                 self.head_dim)
 
     @property
@@ -80,13 +103,18 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
+        """Bytes of one block of one layer's K (or V, or latent)."""
         return self.block_size * self.num_kv_heads * self.head_bytes
+
+    @property
+    def bytes_per_block_id(self) -> int:
+        """Bytes one block id holds over every layer (K and V, or the latent)."""
+        return self.num_layers * self.parts * self.block_bytes
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole tensor."""
-        return self.num_layers * 2 * self.num_blocks * self.block_bytes
+        return self.num_blocks * self.bytes_per_block_id
 
     def whole(self) -> "KVLayout":
         """The layout of an unsharded KV cache of the same blocks: every KV head."""

@@ -22,8 +22,8 @@ def num_blocks(config: EngineConfig, model_cfg: ModelConfig, num_kv_heads: int,
     c, m = config, model_cfg
     if c.num_kv_blocks is not None:
         return c.num_kv_blocks
-    bytes_per_block = (2 * m.num_layers * c.block_size * num_kv_heads * m.head_dim
-                       * kv_dtype.itemsize)
+    # K and V, or one latent entry for MLA (a third or less of a GQA model's bytes).
+    bytes_per_block = c.block_size * m.kv_bytes_per_token(kv_dtype.itemsize, num_kv_heads)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # Leave room for activations of a full token budget (logits dominate at large vocab).

@@ -128,6 +128,9 @@ class ModelRunner:
         # KV cache dtype: the model's, or fp8 with per-layer scales (pd_cluster/kv_scales.py).
         self.kv_dtype, self.kv_scales = self.dtype, ()
         if config.kv_cache_dtype == "fp8":
+            if model_cfg.mla is not None:
+                raise ValueError(f"kv_cache_dtype fp8 is not supported for {model_cfg.architecture}"
+                                 f" (its latent KV cache stays in the model dtype)")
             self.kv_dtype = FP8
             self.kv_scales = kv_scales_for(self.model, lambda: self._calibrate(max_model_len),
                                            model_cfg.num_layers)
@@ -150,8 +153,9 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None    # a follower's copy of the samples
         self.graphs = None
         max_batch = self._graph_batch_limit(min(config.max_num_seqs, 512))
+        # MLA decode is not captured yet: its attention reads host lengths (models/mla.py).
         if (config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
-                and max_batch > 0):
+                and max_batch > 0 and model_cfg.mla is None):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend, max_batch,
                                        max_model_len, self.block_size, model_cfg.hidden_size,
                                        self.dtype)
@@ -181,7 +185,7 @@ class ModelRunner:
         return KVLayout(model=model_name, dtype=str(self.kv_dtype).removeprefix("torch."),
                         num_layers=m.num_layers, num_blocks=num_blocks,
                         block_size=self.block_size, num_kv_heads=local, head_dim=m.head_dim,
-                        kv_scales=self.kv_scales, **window)
+                        kv_scales=self.kv_scales, latent=m.mla is not None, **window)
 
     def _calibrate(self, max_model_len: int):
         """Calibrated fp8 KV scales (pd_cluster/kv_scales.py), its memory given back after."""

@@ -109,7 +109,7 @@ class NixlTransport(KVTransport):
         self._where[None] = _where(shards)
 
     def _prep(self, agent: str, shards: list[tuple[KVLayout, int, int]], mem: str):
-        """One descriptor per (layer, K|V, block) of each shard of a KV cache (layout, base
+        """One descriptor per (layer, part, block) of each shard of a KV cache (layout, base
         address, device), in address order, shard after shard, prepared once.
 
         Each write then only names indices (make_prepped_xfer) instead of building and
@@ -120,7 +120,7 @@ class NixlTransport(KVTransport):
         neighbours on both sides back into one run, so contiguous blocks still post as one
         descriptor per (layer, K|V).
         """
-        count = shards[0][0].num_layers * 2 * shards[0][0].num_blocks
+        count = shards[0][0].num_layers * shards[0][0].parts * shards[0][0].num_blocks
         if count * len(shards) >= 2**31:  # make_prepped_xfer takes int32 indices
             raise ValueError(f"{count * len(shards)} KV block descriptors: too many for int32 "
                              f"indices")

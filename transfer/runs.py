@@ -1,7 +1,8 @@
 """Block ids → merged byte runs (or per-block descriptor indices) of a KV cache.
 
-A KV cache is one tensor [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], so
-for one (layer, K|V) pair the blocks are laid out back to back:
+A KV cache is one tensor [num_layers, parts, num_blocks, block_size, kv_heads, head_dim], parts
+2 (K, V) or 1 (a latent cache, pd_cluster/kv_layout.py), so for one (layer, part) region the
+blocks are laid out back to back:
 
     layer 0 K: | b0 | b1 | b2 | ... | b(N-1) |   layer 0 V: | b0 | b1 | ... |   layer 1 K: ...
 
@@ -63,16 +64,18 @@ def _run_arrays(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return src[starts], dst[starts], counts
 
 
-def _regions(layers: range) -> np.ndarray:
-    """(layer, K|V) region numbers of `layers`, as a column: region r = layer * 2 + kv."""
-    return np.arange(2 * layers.start, 2 * layers.stop, dtype=np.int64)[:, None]
+def _regions(layers: range, layout: KVLayout) -> np.ndarray:
+    """(layer, part) region numbers of `layers`, as a column: region r = layer * parts + part
+    (parts: 2 for K and V, 1 for a latent cache; both sides agree on it, KVLayout.mismatch)."""
+    p = layout.parts
+    return np.arange(p * layers.start, p * layers.stop, dtype=np.int64)[:, None]
 
 
 def _block_runs(src: KVLayout, dst: KVLayout, layers: range,
                 runs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
     """[n, 3] (src offset, dst offset, length) of whole-block runs (`_run_arrays`' result)."""
     s, d, n = runs
-    reg, nb = _regions(layers), src.block_bytes
+    reg, nb = _regions(layers, src), src.block_bytes
     out = np.empty((len(reg), len(n), 3), dtype=np.int64)
     out[..., 0] = (reg * src.num_blocks + s) * nb
     out[..., 1] = (reg * dst.num_blocks + d) * nb
@@ -84,7 +87,7 @@ def _head_runs(src: KVLayout, dst: KVLayout, seg: Segment, layers: range, s: np.
                d: np.ndarray) -> np.ndarray:
     """[n, 3] runs of heads [seg.head, + seg.count) of every token of blocks s → d, in
     (layer, K|V, block, token) order: address order on both sides."""
-    reg = _regions(layers)[:, :, None]                          # [R, 1, 1]
+    reg = _regions(layers, src)[:, :, None]                     # [R, 1, 1]
     tok = np.arange(src.block_size, dtype=np.int64)              # [bs]
     hb = src.head_bytes
     out = np.empty((reg.shape[0], s.size, src.block_size, 3), dtype=np.int64)
@@ -134,12 +137,12 @@ def block_indices(src: KVLayout, dst: KVLayout, layers: range, src_blocks: Seque
                   dst_blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Per-block descriptor indices (int32) into each KV cache's list of (layer, K|V, block)s.
 
-    Index (layer * 2 + kv) * num_blocks + block is that block's byte offset / block_bytes, so
+    Index (layer * parts + part) * num_blocks + block is that block's byte offset / block_bytes, so
     a descriptor list with one block_bytes entry per index covers the KV cache in address order
     and its consumer (NIXL) can merge neighbouring indices back into runs.
     """
     s, d = _checked(src, dst, layers, src_blocks, dst_blocks)
-    reg = _regions(layers)
+    reg = _regions(layers, src)
     return ((reg * src.num_blocks + s).ravel().astype(np.int32),
             (reg * dst.num_blocks + d).ravel().astype(np.int32))
 
@@ -148,10 +151,10 @@ def shard_block_indices(src: Sequence[KVLayout], dst: Sequence[KVLayout],
                         segments: Sequence[Segment], layers: range, src_blocks: Sequence[int],
                         dst_blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """`block_indices` over shards whose segments are all `whole` (identical windows): shard
-    i's descriptors follow shard i - 1's in each side's list (i * layers * 2 * num_blocks)."""
+    i's descriptors follow shard i - 1's in each side's list (i * layers * parts * num_blocks)."""
     s, d = _checked(src[0], dst[0], layers, src_blocks, dst_blocks)
-    reg = _regions(layers)
-    per_s, per_d = (2 * lay.num_layers * lay.num_blocks for lay in (src[0], dst[0]))
+    reg = _regions(layers, src[0])
+    per_s, per_d = (lay.parts * lay.num_layers * lay.num_blocks for lay in (src[0], dst[0]))
     s_idx, d_idx = (reg * src[0].num_blocks + s).ravel(), (reg * dst[0].num_blocks + d).ravel()
     if len(segments) == 1 and segments[0].src == segments[0].dst == 0:
         return s_idx.astype(np.int32), d_idx.astype(np.int32)

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from kernels.fp8_math import FP8
 from pd_cluster.config import ModelConfig
+from pd_cluster.models.deepseek import DeepseekForCausalLM
 from pd_cluster.models.llama import LlamaForCausalLM
 
 
@@ -59,7 +60,7 @@ def model_loads() -> int:
 def load_model(model_dir: str | None, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
                device: torch.device, load_format: str, seed: int,
                quantization: str | None = None,
-               expert_parallel: bool = False) -> LlamaForCausalLM:
+               expert_parallel: bool = False) -> LlamaForCausalLM | DeepseekForCausalLM:
     """The model of `cfg` on `device` in `dtype`, its weights from `model_dir`'s safetensors
     or random (load_format "dummy"). `quantization` is the engine's (EngineConfig's): "fp8"
     builds FP8 linear layers whatever the checkpoint holds (16-bit weights are quantized at
@@ -72,7 +73,8 @@ def load_model(model_dir: str | None, cfg: ModelConfig, max_positions: int, dtyp
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions, expert_parallel)
+            model_class = LlamaForCausalLM if cfg.mla is None else DeepseekForCausalLM
+            model = model_class(cfg, max_positions, expert_parallel)
     finally:
         torch.set_default_dtype(torch.float32)
     if load_format == "dummy":

@@ -244,4 +244,4 @@ def model_info(engine: LLMEngine) -> dict[str, object]:
             "hidden_size": m.hidden_size, "dtype": str(dtype).removeprefix("torch."),
             "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
             "kv_bytes_per_token": kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim,
-                                                     kv_dtype.itemsize)}
+                                                     kv_dtype.itemsize, m.kv_parts)}

@@ -249,6 +249,7 @@ def _model_from_dict(d: dict[str, Any]) -> LatencyModel:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       dtype_bytes: int) -> int:
-    """KV cache bytes one token occupies: K and V, every layer."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+                       dtype_bytes: int, parts: int = 2) -> int:
+    """KV cache bytes one token occupies, every layer: K and V (parts 2), or one latent
+    entry of head_dim values (parts 1, MLA: pd_cluster/kv_layout.py)."""
+    return parts * num_layers * num_kv_heads * head_dim * dtype_bytes
