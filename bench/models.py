@@ -35,8 +35,15 @@ QWEN3_30B_A3B = {
     "sliding_window": None, "use_sliding_window": False, "max_window_layers": 48,
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
 }
+# Its CPU-sized cut (tests run bench/tp_bench.py's MoE path on it): 8 experts, top 2, and the
+# whole vocabulary, since the benchmarks draw token ids up to 120000.
+TINY_QWEN3_MOE = {**QWEN3_30B_A3B, "hidden_size": 64, "intermediate_size": 128,
+                  "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
+                  "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+                  "torch_dtype": "float32"}
 SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "tiny-llama": TINY_LLAMA,
-          "qwen3-30b-a3b": QWEN3_30B_A3B}
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-qwen3-moe": TINY_QWEN3_MOE}
 
 
 def dummy_model_dir(shape: str = "llama-3.1-8b", tokenizer_from: str | None = None) -> str:
