@@ -20,7 +20,9 @@ Mixtures of experts (`--shape qwen3-30b-a3b`): a decode step reads only the expe
 routes to, so the roofline's weights are the non-expert ones plus, per sparse layer, those
 experts (bench/models.py decode_weight_bytes): how many, the model's own counters say (the
 distinct experts each timed step routed to, per layer; pd_cluster/models/moe.py), beside the
-uniform routing's expectation (`routed_experts_per_layer`; `roofline_expected_ms`).
+uniform routing's expectation (`routed_experts_per_layer`; `roofline_expected_ms`). The
+counters add four small kernels a layer to every step; `--no-count-experts` leaves them out
+(the measured fields are then null and the roofline the expected one).
 `--expert-parallel`: the sizes after 1 hold whole experts, E / tp per GPU (the engine's
 enable_expert_parallel; attention stays tensor-parallel), their runs and ratios named
 "ep<tp>"; each GPU then reads the routed experts among its own.
@@ -100,7 +102,8 @@ def run_one(args) -> dict:
     if num_experts(cfg):
         res["weight_gb_per_gpu"] = resident_weight_bytes(cfg, tp) / 1e9
         res["moe"] = moe_shape(cfg, tp, ep)
-        os.environ[COUNT_ROUTED] = "1"      # before the model is built (and its graphs)
+        # Before the model is built (and its graphs): its counters are in every step.
+        os.environ[COUNT_ROUTED] = "0" if args.no_count_experts else "1"
     bw = copy_bandwidth()
     res["copy_bandwidth_GBps"] = bw / 1e9
     began = time.perf_counter()
@@ -153,7 +156,7 @@ class RoutedExperts:
     def __exit__(self, exc_type, *exc) -> None:
         from pd_cluster.models.moe import routed_counts
 
-        if exc_type is not None:
+        if exc_type is not None or self._start is None:     # not counting: all None
             return
         delta = (routed_counts(self.model) - self._start).double()
         forwards = delta[:, -1:]
@@ -226,6 +229,9 @@ def main() -> None:
                     help="another EngineConfig field, e.g. peer_all_reduce=false")
     ap.add_argument("--expert-parallel", action="store_true",
                     help="MoE shapes: sizes after 1 hold whole experts (enable_expert_parallel)")
+    ap.add_argument("--no-count-experts", action="store_true",
+                    help="MoE shapes: no routed-expert counters (four small kernels a layer); "
+                         "the roofline then takes uniform routing's expected experts")
     ap.add_argument("--tp-one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if num_experts(SHAPES[args.shape]) and args.quantization:

@@ -126,6 +126,8 @@ def test_routed_experts_counts_each_steps_distinct_experts(tiny_model_root, monk
                        torch.device("cpu"), "dummy", seed=0)
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     assert len(layers) == 2
+    # Counters, not weights: no checkpoint holds them.
+    assert not any(name.endswith(".routed") for name in model.state_dict())
     gen = torch.Generator().manual_seed(0)
     unions, busiest = [], []
     with torch.no_grad():
@@ -148,3 +150,17 @@ def test_runs_are_named_by_size_and_expert_parallelism():
     assert label({"tp": 2}) == "2"
     assert label({"tp": 2, "expert_parallel": True}) == "ep2"
     assert label({"tp": 1, "expert_parallel": False}) == "1"
+
+
+def test_routed_experts_without_counters_measures_nothing(tiny_model_root, monkeypatch):
+    """A model built without COUNT_ROUTED has no counters (tp_bench --no-count-experts):
+    RoutedExperts leaves every field None, and the roofline takes the expectation."""
+    monkeypatch.delenv(COUNT_ROUTED, raising=False)
+    model_dir = make_tiny_model("qwen3_moe", tiny_model_root)
+    model = load_model(model_dir, ModelConfig.from_dir(model_dir), 64, torch.float32,
+                       torch.device("cpu"), "dummy", seed=0)
+    moe = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    assert moe.routed is None
+    with torch.no_grad(), RoutedExperts(model, ranks=1) as routed:
+        moe(torch.randn(3, 64))
+    assert routed.union is routed.per_gpu is routed.forwards is None

@@ -25,7 +25,8 @@ def run(tp: int, expert_parallel: bool, monkeypatch) -> dict:
     monkeypatch.setenv(COUNT_ROUTED, "0")       # run_one turns it on; restored after
     args = argparse.Namespace(shape="tiny-qwen3-moe", tp_one=tp, expert_parallel=expert_parallel,
                               batches="4", context=24, steps=STEPS, prefill="1x16",
-                              quantization=None, kv_cache_dtype="auto", engine=[])
+                              quantization=None, kv_cache_dtype="auto", engine=[],
+                              no_count_experts=False)
     with mock.patch.object(torch.cuda, "get_device_name", lambda *a: "cpu"), \
             mock.patch.object(torch.cuda, "synchronize", lambda *a: None), \
             mock.patch.object(tp_bench, "copy_bandwidth", lambda: BANDWIDTH), \
