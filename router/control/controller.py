@@ -2,8 +2,10 @@
 
     __init__            validates the args, then in the background: resolves the model
                         (router/control/model.py; the bundled default is fetched on first
-                        use), starts the EngineFleet (router/control/fleet.py) of the
-                        config's prefill and decode replicas
+                        use), adopts the engines a dead controller of the application left
+                        running (router/control/engines.py), and starts the EngineFleet
+                        (router/control/fleet.py) of the config's prefill and decode replicas
+                        around them: a new membership epoch, so every router re-syncs
     model_info()        where the model is and the engine config every replica runs with
                         (router replicas need it to tokenize)
     membership(v, t, e) the fleet's Membership once its version is past v, at once if e is
@@ -14,25 +16,32 @@
                         `planner.enabled`: router/control/planner_loop.py resizes the tiers every
                         interval); answers with the planner's decisions so far
     planner_log()       the planner's recent decisions with their inputs
-    (Serve stops it)    its engine actors die with it
+    (Serve stops it)    it kills its engine actors (`__del__`)
+    (its process dies)  the engines go on serving the routers' requests; Serve starts a
+                        replacement, which adopts them
 
-Why a Serve deployment of the application, with one replica, and the engines plain Ray
-actors it creates:
-  - Engines must outlive router replicas (minutes of model loading, every KV cache), so
-    their owner is not a router. Ray kills an actor with its owner; the controller does no
-    per-token work (it starts, health-checks and restarts engines), so it is far less
-    exposed than a router that tokenizes prompts and streams every token.
+Why a Serve deployment of the application, with one replica, and the engines detached Ray
+actors it creates, named `pd-<app>-<role>-<id>` and leased:
+  - Engines must outlive router replicas and the controller's own replica (minutes of
+    model loading, every KV cache, every request in flight), so no replica may own them:
+    Ray kills an actor with its owner. Detached, they outlive any replica; named after the
+    application, a replacement controller finds them in the namespace and adopts them
+    (same actors, no model reload), and `ray list actors` tells one app's P from its D.
   - Engines must die with the application: `serve delete` / `serve shutdown` stops the
-    controller's replica, and the actors it owns go with it. A detached actor would
-    survive a router too, but outlive a deleted application unless something killed it.
+    controller's replica gracefully, and it kills them. Should it die instead (no replica
+    left to kill them, e.g. the application deleted while its controller was down), each
+    engine's lease (actors/engine_lease.py), renewed by the controller every
+    ENGINE_LEASE_RENEW_EVERY_S, lapses after ENGINE_LEASE_S and the engine ends itself.
+  - Pooled mode's KV pool actors stay owned by the controller: a replacement controller
+    finds the engines' pools gone, so it stops the engines it finds and starts afresh.
   - Routers must address one exact engine per request (KV-aware routing, a P and a D that
     talk to each other), which Serve's own request routing over engine deployments would
     hide; the Membership hands routers the actor handles themselves. Each router replica
     keeps its one output stream per engine (router/output_streams.py) and routes from the
     engines' own load and prefix reports; D keeps its reservations, so routers never
     double-book KV.
-  - Serve supervises the controller like any replica: if it fails, Serve replaces it, and
-    the new one starts the engines afresh (the only case where engines restart with it).
+  - Serve supervises the controller like any replica: if its process dies, Serve replaces
+    it (within CONTROLLER_HEALTH_CHECK_S of the death, plus the new process's start).
 """
 from __future__ import annotations
 
@@ -44,6 +53,7 @@ from ray import serve
 
 from pd_cluster.role import Role
 from router.app_config import AppConfig
+from router.control.engines import running_engines, stop
 from router.control.fleet import EngineFleet
 from router.control.membership import Membership, ModelInfo
 from router.control.model import model_dir, replica_engine
@@ -57,20 +67,26 @@ LONGEST_POLL_S = 30.0
 MAX_ONGOING = 1000
 
 
-# Its calls are the routers' long polls and reports, which no client waits on: a stop does
-# not wait them out (Serve's default would, for up to 20 s).
-STOP_WITHIN_S = 2.0
+# A graceful stop waits for the routers' long polls, which their replicas cancel as they stop
+# (router/app.py, a couple of seconds in), and then runs `__del__`, which kills the engines.
+# Serve kills a replica still stopping after this, `__del__` unrun: its engines then live
+# until their leases lapse (ENGINE_LEASE_S), so it outlasts the routers' stop.
+STOP_WITHIN_S = 10.0
+# Serve notices a dead replica at its next health check: its default (10 s) would leave the
+# engines unsupervised, and their leases unrenewed, that much longer.
+CONTROLLER_HEALTH_CHECK_S = 2.0
 
 
 # No access log: its callers are the routers' long polls and reports (a line every 10 s per
 # router, forever); its own errors and decisions still log.
 @serve.deployment(num_replicas=1, max_ongoing_requests=MAX_ONGOING,
                   ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=CONTROLLER_HEALTH_CHECK_S,
                   logging_config={"enable_access_log": False},
                   graceful_shutdown_timeout_s=STOP_WITHIN_S, graceful_shutdown_wait_loop_s=0.5)
 class EngineController:
     async def __init__(self, args: dict[str, Any], actor_options: dict[str, dict]) -> None:
-        log_info("router.control.fleet", "router.control.planner_loop",
+        log_info("router.control.fleet", "router.control.engines", "router.control.planner_loop",
                  "router.control.controller", "pd_cluster.default_model")
         self.config = AppConfig.from_args(args)
         self.actor_options = actor_options
@@ -80,6 +96,10 @@ class EngineController:
         self._start = asyncio.get_running_loop().create_task(self._start_engines())
 
     async def _start_engines(self) -> None:
+        # First the engines a dead controller left, their leases renewed: this process has
+        # only just started (importing the engine's modules, below, takes seconds more).
+        app = serve.get_replica_context().app_name
+        running = await running_engines(app, self.config.mode)
         try:
             # The bundled model's first fetch downloads and converts it: off the event loop.
             path = await asyncio.to_thread(model_dir, self.config)
@@ -88,8 +108,17 @@ class EngineController:
             logger.exception("cannot resolve the model")
             self._info.set_exception(e)
             return
+        if running and self.config.mode == "pooled":
+            for left in running:
+                stop(left)
+            running = []
+        fleet = EngineFleet.for_app(self.config, engine, self.actor_options, app=app)
+        fleet.take_over(running)
+        if running:
+            logger.info("engine controller: adopted %s", ", ".join(
+                f"{e.name} ({e.key[0]}-{e.key[1]})" for e in running))
         self._info.set_result(ModelInfo(path, engine))
-        self.fleet = EngineFleet.for_app(self.config, engine, self.actor_options)
+        self.fleet = fleet
         self.fleet.start()
         logger.info("engine controller: starting %s", ", ".join(
             f"{n} {role}" for role, n in self.fleet.targets.items()))
@@ -124,7 +153,8 @@ class EngineController:
         return [] if self.planner is None else list(self.planner.log)
 
     def __del__(self) -> None:
-        # Serve calls this on a graceful stop; the engines would die with us anyway.
+        # Serve calls this on a graceful stop (the application deleted or shut down): the
+        # engines are detached, so nothing else stops them before their leases lapse.
         if self.planner is not None:
             self.planner.stop()
         if self.fleet is not None:

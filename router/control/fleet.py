@@ -20,6 +20,9 @@ A slot is a (role, replica id); its states are ReplicaState's (router/control/me
     restart    (supervised) a DEAD slot gets a new actor (PENDING) after a backoff that
                doubles with each death soon after a start, RESTART_BACKOFF_S to
                MAX_BACKOFF_S; a replica that served STABLE_AFTER_S starts over at the base
+    leases     (an application's fleet, `for_app(app=...)`) every ENGINE_LEASE_RENEW_EVERY_S,
+               each live actor's lease renewed; `take_over` adopts the actors a dead
+               controller left running, before `start` (router/control/engines.py)
     changes    drain, add, flip (router/control/tier_changes.py): tiers resized and engines
                moved between roles, no request failing
 Every change of a slot's state or actor bumps the version and wakes `membership` long polls.
@@ -37,8 +40,10 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from actors.engine_lease import ENGINE_LEASE_RENEW_EVERY_S
 from actors.messages import ReplicaLoad
 from pd_cluster.role import Role
+from router.control.engines import RunningEngine, handoff_of, spawner
 from router.control.membership import EngineMember, Membership, ReplicaState, check_transition
 from router.control.placement import ray_actor_placed, unplaced_reason
 from router.control.tier_changes import TierChanges, short_reason as _reason
@@ -106,34 +111,21 @@ class EngineFleet(TierChanges):
         self._join_lock: asyncio.Lock | None = None
         self._supervisor: asyncio.Task | None = None
         self.started = False
+        self.leased, self._renewed_at = False, 0.0    # whether it renews its actors' leases
         self.role_changes: list = []      # RoleChange (router/control/tier_changes.py), in order
 
     @classmethod
     def for_app(cls, config: Any, engine: Any, actor_options: Mapping[Role, dict[str, Any]],
-                supervise: bool = True) -> EngineFleet:
+                supervise: bool = True, app: str | None = None) -> EngineFleet:
         """The fleet of an application's config (AppConfig): its mode's actors and handoff,
-        `actor_options[role]` for each replica; actors are made when it starts."""
-        timeout = float(config.limits.request_timeout_s)
-        handoff = None
-        if config.mode != "colocated":
-            from actors.handoff import PushHandoff
-            from actors.pool_handoff import PoolHandoff
-            handoff = (PoolHandoff(timeout, config.kv_pool) if config.mode == "pooled"
-                       else PushHandoff())
-
-        def spawn(role: Role, replica_id: int) -> Any:
-            options = {**actor_options[role], "max_restarts": 0}
-            role_engine = config.role_engine(engine, role)   # its tensor-parallel size
-            if config.mode == "colocated":
-                from actors.colocated_actor import ColocatedActor
-                return ColocatedActor.options(**options).remote(role_engine, replica_id,
-                                                                timeout)
-            from actors.engine_actor import EngineActor
-            return EngineActor.options(**options).remote(role_engine, role, replica_id,
-                                                         config.transport, timeout)
-        return cls(config.mode, {Role.PREFILL: config.num_prefill,
-                                 Role.DECODE: config.num_decode},
-                   handoff, actor_options, spawn, supervise)
+        `actor_options[role]` for each replica; actors are made when it starts. With `app`
+        (the controller's), they are detached, named and leased (router/control/engines.py)
+        and the fleet renews their leases."""
+        fleet = cls(config.mode, {Role.PREFILL: config.num_prefill,
+                                  Role.DECODE: config.num_decode}, handoff_of(config),
+                    actor_options, spawner(config, engine, actor_options, app), supervise)
+        fleet.leased = app is not None
+        return fleet
 
     @classmethod
     def adopt(cls, mode: str, prefill: Sequence[Any], decode: Sequence[Any],
@@ -145,6 +137,21 @@ class EngineFleet(TierChanges):
                 slot = fleet.slots[(role, i)]
                 slot.actor, slot.actor_id = actor, actor._actor_id.hex()
         return fleet
+
+    def take_over(self, running: Sequence[RunningEngine]) -> None:
+        """Before `start`: a slot for each engine a dead controller left running (READY if its
+        handoff is open), and the config's own slots for what they leave short of a target."""
+        wanted, self.slots, self.targets = dict(self.targets), {}, {}
+        for engine in running:
+            role, replica_id = engine.key
+            slot = self._new_slot(role, self.resources.get(role, {}), replica_id)
+            slot.actor, slot.actor_id, slot.load = engine.actor, engine.actor_id, engine.load
+            if engine.descriptor is not None or self.handoff is None:
+                slot.state, slot.descriptor = ReplicaState.READY, engine.descriptor
+                slot.ready_at = time.monotonic()
+        for role, n in wanted.items():
+            for _ in range(n - self.targets.get(role, 0)):
+                self._new_slot(role, self.resources.get(role, {}))
 
     # -- the published view -----------------------------------------------------------------
     def membership(self) -> Membership:
@@ -180,11 +187,11 @@ class EngineFleet(TierChanges):
                 return m
             if not self.supervise and any(s.state is ReplicaState.DEAD
                                           for s in self.slots.values()):
-                raise RuntimeError("engine replicas failed to start: " + _not_ready(self))
+                raise RuntimeError("engine replicas failed to start: " + m.not_ready())
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"engine replicas not ready after {timeout_s:g} s: "
-                                   + _not_ready(self))
+                                   + m.not_ready())
             try:
                 await asyncio.wait_for(self._event().wait(), min(left, 1.0))
             except asyncio.TimeoutError:
@@ -326,6 +333,8 @@ class EngineFleet(TierChanges):
             try:
                 await self._check_health()
                 now = time.monotonic()
+                if self.leased and now - self._renewed_at >= ENGINE_LEASE_RENEW_EVERY_S:
+                    self._renew_leases(now)
                 for slot in self.slots.values():
                     if slot.state is ReplicaState.DEAD and now >= slot.retry_at:
                         logger.info("restarting engine replica %s (restart %d)", slot.name,
@@ -355,6 +364,13 @@ class EngineFleet(TierChanges):
                     self._died(slot, f"stopped answering health checks ({slot.misses} in a "
                                      f"row, {_reason(reply)})")
 
+    def _renew_leases(self, now: float) -> None:
+        # Fire and forget: a dead actor shows at the next health check.
+        self._renewed_at = now
+        for slot in self.slots.values():
+            if slot.actor is not None and slot.state is not ReplicaState.RETIRED:
+                slot.actor.renew_lease.remote()
+
     def _died(self, slot: _Slot, detail: str) -> None:
         now = time.monotonic()
         stable = slot.ready_at and now - slot.ready_at >= STABLE_AFTER_S
@@ -373,12 +389,6 @@ class EngineFleet(TierChanges):
                 ray.kill(slot.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-
-
-def _not_ready(fleet: EngineFleet) -> str:
-    return "; ".join(f"{s.name} {s.state}" + (f" ({s.detail})" if s.detail else "")
-                     for s in fleet.slots.values()
-                     if s.state not in (ReplicaState.READY, ReplicaState.RETIRED))
 
 
 def _loop() -> asyncio.AbstractEventLoop | None:

@@ -138,6 +138,12 @@ class Membership:
             return TierState.PENDING
         return TierState.READY if ready >= self.targets.get(role, 0) else TierState.DEGRADED
 
+    def not_ready(self) -> str:
+        """The replicas neither READY nor RETIRED, each with its state and why."""
+        return "; ".join(f"{m.role}-{m.replica_id} {m.state}"
+                         + (f" ({m.detail})" if m.detail else "") for m in self.members
+                         if m.state not in (ReplicaState.READY, ReplicaState.RETIRED))
+
     def serving(self) -> bool:
         """Whether every tier has a READY replica (requests can be served)."""
         return all(self.tier_state(r) is not TierState.PENDING for r in self.roles())
