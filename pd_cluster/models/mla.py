@@ -91,7 +91,7 @@ class MLAttention(nn.Module):
         q_pe, k_pe = rope(positions, q_pe), rope(positions, k_pe)
         w_uk, w_uv = self.absorbed_weights()
         cache = ctx.kv_cache[self.layer_idx, 0].squeeze(-2)     # [blocks, block_size, L + R]
-        kernel = ctx.backend.name == "triton" and cache.is_cuda
+        # The Triton backend decodes with kernels/mla_decode.py (on a CPU: its interpreter).
         o = mla_attention(q_nope, q_pe, c, k_pe, cache, ctx.attn, w_uk, w_uv, self.scale,
-                          kernel)
+                          kernel=ctx.backend.name == "triton")
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
