@@ -21,6 +21,9 @@ Per batch size T, reported per call:
                    and down buffers, T*K rows each, which this bound leaves out.
   rel_err          fused_moe against the reference (relative norm): the GEMMs' accumulation
                    order apart, the same roundings (the kernel module's docstring)
+  align_us         the sort alone (kernels/moe_align.py), graphed: torch's ops, and for
+                   T <= 512 the one-program kernel; fused_moe takes the latter up to
+                   ONE_PROGRAM_MAX_PAIRS pairs (`align_taken` says which it took here)
 With --sweep, each of SWEEP's tiles is timed too (graphed), and the fastest named. Prints
 JSON on stdout, a line per batch size on stderr as it goes.
 """
@@ -37,6 +40,7 @@ import triton
 from bench.gemm_bench import time_graph
 from kernels.fused_moe import fused_moe_ref
 from kernels.fused_moe_triton import Tiles, fused_moe, tiles
+from kernels.moe_align import ONE_PROGRAM_MAX_PAIRS, moe_align, moe_align_one_program
 from pd_cluster.models.fp8 import quantize_weight
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
@@ -113,6 +117,8 @@ def bench_tokens(tokens: int, weights: tuple, rate: float, fp8: bool, sweep: boo
            "triton_eager_us": round(eager_us(triton_moe, list(zip(xs, routes))), 2),
            "torch_loop_us": round(eager_us(
                lambda x, r: fused_moe_ref(x, w13, w2, *r, 0, *scales), list(zip(xs, routes))), 2)}
+    row["align_us"] = align_us(routes, row["tiles"][0]["block_m"])
+    row["align_taken"] = "one_program" if pairs <= ONE_PROGRAM_MAX_PAIRS else "torch"
     if sweep:
         timed = {}
         for entry in SWEEP:
@@ -125,6 +131,16 @@ def bench_tokens(tokens: int, weights: tuple, rate: float, fp8: bool, sweep: boo
         row["sweep_us"] = timed
         row["sweep_best"] = min(timed, key=timed.get)
     return row
+
+
+def align_us(routes: list, block_m: int) -> dict:
+    """Microseconds per call of each way to sort the pairs (graphed, CALLS routings)."""
+    ids = [route[1] for route in routes]
+    ways = {"torch": moe_align}
+    if ids[0].shape[0] <= 512:
+        ways["one_program"] = moe_align_one_program
+    return {name: round(time_graph(lambda i, _, fn=fn: fn(i, EXPERTS, 0, block_m), ids, ids), 2)
+            for name, fn in ways.items()}
 
 
 def main() -> None:
@@ -145,7 +161,8 @@ def main() -> None:
         res["rows"].append(row)
         print(f"T={tokens:5d} triton {row['triton_graph_us']:9.2f} us graphed "
               f"{row['triton_eager_us']:9.2f} eager | torch loop {row['torch_loop_us']:9.2f} "
-              f"| roofline {row['roofline_us']:8.2f} us | rel err {row['rel_err']:.1e}",
+              f"| roofline {row['roofline_us']:8.2f} us | rel err {row['rel_err']:.1e} "
+              f"| align {row['align_us']}",
               file=sys.stderr, flush=True)
     print(json.dumps(res, indent=1))
 

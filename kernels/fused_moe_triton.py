@@ -12,7 +12,7 @@ The steps, all on the device with no host sync (a CUDA graph captures them; ever
 depends on T, K, E and the tiles alone):
  1. kernels/moe_align.py sorts the T*K (token, slot) pairs by local expert into runs padded to
     BLOCK_M rows, and names each block's expert (-1: no work; pairs of other ranks' experts
-    are dropped there).
+    are dropped there): one Triton program for a decode batch, torch's sort for more.
  2. gate_up [T*K, 2I] = x[p // K] @ w13[e].T for each pair p: a program owns BLOCK_M sorted
     rows (all of one expert, so one weight tile serves them) and BLOCK_N output columns.
     Row blocks vary fastest in the grid, so that the programs reading one expert's weight
@@ -42,8 +42,8 @@ measured W8A16 1.3-2.1x slower on a dense GEMM; kernels/fused_moe.py's reference
 quantization.
 
 Unmeasured (written without a GPU): the tiles (`tiles`, first guesses), the speed against
-the bytes it must read, and the cost of moe_align's dozen small torch launches, which a
-Triton sort could replace; bench/moe_bench.py measures them.
+the bytes it must read, and the cost of the sort (moe_align's one program, or its forty small
+torch launches past ONE_PROGRAM_MAX_PAIRS); bench/moe_bench.py measures them.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ import triton.language as tl
 from kernels.activation import silu_and_mul
 from kernels.fp8_math import FP8
 from kernels.fp8_quant import per_token_quant
-from kernels.moe_align import moe_align
+from kernels.moe_align import align
 from kernels.pdl import pdl_args, wait_for_inputs
 
 SUM_BLOCK = 1024        # the sum kernel's columns per program
@@ -206,7 +206,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     up, down = config or (tiles(pairs, experts, two_inter, hidden, fp8),
                           tiles(pairs, experts, hidden, two_inter // 2, fp8))
     assert up.block_m == down.block_m, "both GEMMs read one sorted order"
-    sorted_ids, expert_ids, _ = moe_align(topk_ids, experts, first_expert, up.block_m)
+    sorted_ids, expert_ids, _ = align(topk_ids, experts, first_expert, up.block_m)
     a, a_scale = per_token_quant(x) if fp8 else (x, None)
     gate_up = torch.empty(pairs, two_inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(a, a_scale, w13, w13_scale, gate_up, sorted_ids, expert_ids, top_k, up)

@@ -16,11 +16,28 @@ whose expert lies outside that range is dropped (it contributes nothing on this 
 No host sync: no .item() or .tolist(), and every shape depends on T, K, E and block_m alone,
 so a CUDA graph can capture it. `size` is the worst case: the runs take at most
 T*K + n * (block_m - 1) rows, n = min(E, T*K) being the most experts that can be chosen.
-Torch ops (a stable sort, a scatter and a search, a dozen small launches): the work is tiny.
+
+Two ways, one result. `moe_align`: torch ops (a stable sort, a scatter and a search), some
+forty small launches, whatever T; the reference. `moe_align_one_program`: one Triton program
+(after a fill), for the pairs of a decode batch (up to ONE_PROGRAM_MAX_PAIRS), where those
+launches would cost more than the layer's GEMMs save: at 48 layers a step, forty graph nodes
+of a few microseconds each are milliseconds. It walks the pairs CHUNK at a time against all
+experts at once ([E, CHUNK] one-hot tiles): counts per expert, then each pair's row (its
+expert's run start, plus the pairs of that expert before it), then each block's expert.
+`align` picks between them.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+# Pairs (T * K) up to which `align` takes the one-program kernel: decode batches up to 128 at
+# top-8. Its loops walk the pairs one chunk after another, a few microseconds each, so past
+# some size the torch ops' parallel sort wins: where is unmeasured (bench/moe_bench.py times
+# both, `align_us`).
+ONE_PROGRAM_MAX_PAIRS = 1024
+TILE = 8192             # elements of the kernel's [E, CHUNK] tiles
 
 
 def padded_size(pairs: int, num_local_experts: int, block_m: int) -> int:
@@ -56,3 +73,74 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
     expert_ids = torch.searchsorted(ends[:experts], block_starts, right=True)
     expert_ids = torch.where(expert_ids < experts, expert_ids, -1).int()
     return sorted_ids[:size], expert_ids, ends[experts:].int()
+
+
+@triton.jit
+def _align_kernel(TopkIds, SortedIds, ExpertIds, NumPadded, pairs, first_expert, num_experts,
+                  num_blocks, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """The module docstring's outputs, one program; SortedIds already holds the sentinel."""
+    experts = tl.arange(0, E_POW2)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for p0 in range(0, pairs, CHUNK):
+        hit = _one_hot(TopkIds, p0 + offs, pairs, first_expert, num_experts, experts)
+        counts += tl.sum(hit, axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(NumPadded, tl.sum(padded, axis=0))
+    # Each pair's row: its expert's next free row. A pair's expert is the one hot row of its
+    # column, so sums over experts pick that expert's values.
+    free = ends - padded
+    for p0 in range(0, pairs, CHUNK):
+        hit = _one_hot(TopkIds, p0 + offs, pairs, first_expert, num_experts, experts)
+        earlier = tl.cumsum(hit, axis=1) - hit      # the expert's pairs before, in this chunk
+        row = tl.sum(hit * (free[:, None] + earlier), axis=0)
+        tl.store(SortedIds + row, p0 + offs, mask=tl.sum(hit, axis=0) > 0)
+        free += tl.sum(hit, axis=1)
+    # Each block's expert: how many experts' runs end at or before its first row (torch's
+    # searchsorted(ends, start, right=True)); -1 past the last run.
+    real = experts < num_experts
+    for b0 in range(0, num_blocks, CHUNK):
+        block = b0 + offs
+        before = (ends[:, None] <= block[None, :] * BLOCK_M) & real[:, None]
+        expert = tl.sum(before.to(tl.int32), axis=0)
+        tl.store(ExpertIds + block, tl.where(expert < num_experts, expert, -1),
+                 mask=block < num_blocks)
+
+
+@triton.jit
+def _one_hot(TopkIds, pair, pairs, first_expert, num_experts, experts):
+    """[E_POW2, CHUNK] int32: 1 where column `pair`'s local expert is the row's; a column
+    past the pairs, or of an expert outside the local range, all 0."""
+    ids = tl.load(TopkIds + pair, mask=pair < pairs, other=-1)
+    local = (ids - first_expert).to(tl.int32)
+    keep = (pair < pairs) & (local >= 0) & (local < num_experts)
+    return ((local[None, :] == experts[:, None]) & keep[None, :]).to(tl.int32)
+
+
+def moe_align_one_program(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
+                          block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align`'s outputs by one Triton program (module docstring), topk_ids contiguous."""
+    assert topk_ids.is_contiguous()
+    pairs, experts = topk_ids.numel(), num_local_experts
+    size = padded_size(pairs, experts, block_m)
+    sorted_ids = torch.full((size,), pairs, dtype=torch.int32, device=topk_ids.device)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=topk_ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+    e_pow2 = triton.next_power_of_2(experts)
+    chunk = max(16, min(1024, TILE // e_pow2))
+    _align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, num_padded, pairs, first_expert,
+                        experts, size // block_m, BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk,
+                        num_warps=8)
+    return sorted_ids, expert_ids, num_padded
+
+
+def align(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
+          block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align`'s outputs, by one program up to ONE_PROGRAM_MAX_PAIRS pairs, else by torch
+    ops (module docstring). For Triton's tensors: CUDA, or any under its interpreter."""
+    if topk_ids.numel() <= ONE_PROGRAM_MAX_PAIRS:
+        return moe_align_one_program(topk_ids.contiguous(), num_local_experts, first_expert,
+                                     block_m)
+    return moe_align(topk_ids, num_local_experts, first_expert, block_m)

@@ -22,7 +22,8 @@ import torch  # noqa: E402
 
 from kernels.fused_moe import fused_moe_ref  # noqa: E402
 from kernels.fused_moe_triton import Tiles, fused_moe, moe_sum, tiles  # noqa: E402
-from kernels.moe_align import moe_align, padded_size  # noqa: E402
+from kernels.moe_align import (ONE_PROGRAM_MAX_PAIRS, align, moe_align,  # noqa: E402
+                               moe_align_one_program, padded_size)
 from pd_cluster.models.fp8 import quantize_weight  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -53,18 +54,20 @@ def align_brute_force(ids: list[list[int]], experts: int, first: int, block_m: i
                                                                      len(blocks)), num_padded
 
 
-def test_moe_align_matches_brute_force():
+@pytest.mark.parametrize("fn,cases", [(moe_align, 300), (moe_align_one_program, 60)])
+def test_moe_align_matches_brute_force(fn, cases):
     """Random routings: E 1..8 local experts at a random offset in a larger global range (so
-    that some choices fall outside it), K 1..4, T 1..40, several block sizes and id dtypes."""
+    that some choices fall outside it), K 1..4, T 1..40, several block sizes and id dtypes;
+    torch's ops and the one-program kernel alike."""
     rng = random.Random(0)
-    for case in range(300):
+    for case in range(cases):
         experts, top_k, tokens = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 40)
         first = rng.randint(0, 3)
         global_experts = max(top_k, first + experts + rng.randint(0, 3))
         block_m = rng.choice([1, 2, 4, 16])
         ids = [rng.sample(range(global_experts), top_k) for _ in range(tokens)]
         dtype = torch.int32 if case % 2 else torch.int64
-        got = moe_align(torch.tensor(ids, dtype=dtype), experts, first, block_m)
+        got = fn(torch.tensor(ids, dtype=dtype, device=DEVICE), experts, first, block_m)
         want_rows, want_blocks, want_padded = align_brute_force(ids, experts, first, block_m)
         sorted_ids, expert_ids, num_padded = got
         assert sorted_ids.dtype == expert_ids.dtype == num_padded.dtype == torch.int32
@@ -73,17 +76,35 @@ def test_moe_align_matches_brute_force():
         assert num_padded.tolist() == [want_padded]
 
 
-def test_moe_align_shapes_depend_on_sizes_alone():
+@pytest.mark.parametrize("fn", [moe_align, moe_align_one_program])
+def test_moe_align_shapes_depend_on_sizes_alone(fn):
     """A CUDA graph replays one shape: a routing onto one expert and one spread over all of
     them (the worst case) give the same buffer sizes, and the worst case fills them."""
     tokens, top_k, experts, block_m = 5, 2, 8, 4
-    spread = torch.arange(tokens * top_k).view(tokens, top_k) % experts
-    one = torch.zeros(tokens, top_k, dtype=torch.long)
+    spread = (torch.arange(tokens * top_k).view(tokens, top_k) % experts).to(DEVICE)
+    one = torch.zeros(tokens, top_k, dtype=torch.long, device=DEVICE)
     one[:, 1] = 1
-    shapes = {tuple(t.shape for t in moe_align(ids, experts, 0, block_m)) for ids in (spread, one)}
+    shapes = {tuple(t.shape for t in fn(ids, experts, 0, block_m)) for ids in (spread, one)}
     assert len(shapes) == 1
     # 10 pairs on 8 experts: 8 runs of one block, 2 of them with a second pair.
-    assert moe_align(spread, experts, 0, block_m)[2].item() == 8 * block_m
+    assert fn(spread, experts, 0, block_m)[2].item() == 8 * block_m
+
+
+@pytest.mark.parametrize("experts,first,global_experts", [(128, 0, 128), (64, 64, 128),
+                                                          (60, 3, 70)])
+def test_one_program_align_gives_torchs_at_decode_sizes(experts, first, global_experts):
+    """Qwen3-30B-A3B's routing (top-8 of 128), whole and on the second of two expert-parallel
+    ranks, and an expert count no power of two: `align` takes the one-program kernel for
+    these (up to ONE_PROGRAM_MAX_PAIRS pairs), here over many of its chunks of pairs (64 at
+    128 experts) and of blocks, at the tiles' row counts."""
+    assert 128 * 8 <= ONE_PROGRAM_MAX_PAIRS
+    gen = torch.Generator().manual_seed(experts)
+    for tokens, block_m in ((1, 16), (9, 64), (128, 16)):
+        ids = torch.stack([torch.randperm(global_experts, generator=gen)[:8]
+                           for _ in range(tokens)]).to(DEVICE)
+        want = moe_align(ids, experts, first, block_m)
+        for g, w in zip(align(ids, experts, first, block_m), want):
+            assert torch.equal(g, w), (tokens, block_m)
 
 
 # -- fused_moe against the reference ----------------------------------------------------------
@@ -119,6 +140,17 @@ def test_fused_moe_matches_reference(tokens, experts, top_k, first, global_exper
     # A token none of whose experts is local gets exactly zero, as in the reference.
     none_local = ((ids < first) | (ids >= first + experts)).all(dim=1)
     assert not out[none_local].any()
+
+
+def test_fused_moe_with_torchs_sort_past_the_one_program_size(monkeypatch):
+    """Past ONE_PROGRAM_MAX_PAIRS (here 0) the pairs are sorted by torch's ops: the same
+    result."""
+    import kernels.moe_align
+
+    x, w13, w2, weights, ids = moe_inputs(17, 3, 2, 4, 8)
+    monkeypatch.setattr(kernels.moe_align, "ONE_PROGRAM_MAX_PAIRS", 0)
+    assert rel(fused_moe(x, w13, w2, weights, ids, 4),
+               fused_moe_ref(x, w13, w2, weights, ids, 4)) < 1e-5
 
 
 def test_fused_moe_with_tiles_that_loop_over_k_and_n():

@@ -4,7 +4,8 @@ sizes: decode batches and prefill chunks, the whole layer on one GPU, 64 whole e
 (expert parallel over 2) and half of every expert (tensor parallel over 2), bf16 and FP8
 experts. The CPU suite runs the kernels under Triton's interpreter, which accepts code the
 compiler refuses (a plain module global read inside a kernel, say), so a kernel can pass
-every CPU test and still fail on the first GPU call. (kernels/moe_align.py is torch.)
+every CPU test and still fail on the first GPU call. kernels/moe_align.py's one-program sort
+too, for each layout's local expert count.
 
 The compile runs in a process without TRITON_INTERPRET (under it `triton.jit` gives
 interpreted functions, which cannot be compiled); pointers, and the sizes and strides the
@@ -21,7 +22,7 @@ import pytest
 
 from tests.support import REPO
 
-pytestmark = pytest.mark.slow       # a process that imports torch and Triton, 14 compiles
+pytestmark = pytest.mark.slow       # a process that imports torch and Triton, 20 compiles
 
 
 COMPILE = r"""
@@ -29,7 +30,7 @@ import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import fused_moe_triton as moe
+from kernels import fused_moe_triton as moe, moe_align as align
 
 H, E, K = 2048, 128, 8       # Qwen3-30B-A3B's MoE layer
 # name -> (local experts, intermediate size per GPU)
@@ -44,11 +45,11 @@ DIVISIBLE = ("N", "K", "stride_am", "stride_be", "stride_bn", "stride_cm", "stri
 
 def compile(fn, types, const, warps, stages=None):
     sig = {a: types.get(a, "i32" if a in INTS else "constexpr") for a in fn.arg_names}
+    const = {a: v for a, v in {**const, "PDL": True}.items() if a in fn.arg_names}
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                for a, t in sig.items() if t.startswith("*") or a in DIVISIBLE}
     options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs={**const, "PDL": True},
-                                      attrs=aligned),
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=aligned),
                             target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     return {"mma": sorted(set(re.findall(r"\b(w?gmma\.\w+|mma\.sync)", ptx))),
@@ -80,6 +81,14 @@ for weights in ("bf16", "fp32"):
         moe._moe_sum_kernel, {"Y": "*bf16", "TopkIds": "*i64", "TopkWeights": f"*{weights}",
                               "Out": "*bf16"}, {"TOP_K": K, "K_POW2": K, "BLOCK_H": moe.SUM_BLOCK},
         4)
+# The one-program sort of a decode batch's pairs, at each layout's local expert count.
+for experts in sorted({experts for experts, _ in LAYOUTS.values()}):
+    for block_m in (16, 32, 64):
+        e_pow2 = triton.next_power_of_2(experts)
+        out[f"align_e{experts}_m{block_m}"] = compile(
+            align._align_kernel, {"TopkIds": "*i64", "SortedIds": "*i32", "ExpertIds": "*i32",
+                                  "NumPadded": "*i32", "pairs": "i32", "num_blocks": "i32"},
+            {"BLOCK_M": block_m, "E_POW2": e_pow2, "CHUNK": align.TILE // e_pow2}, 8)
 print(json.dumps(out))
 """
 
@@ -94,17 +103,19 @@ def compiled() -> dict:
 
 
 def test_every_launch_at_qwen3_30b_a3b_sizes_compiles_within_shared_memory(compiled):
-    gemms = {name: info for name, info in compiled.items() if not name.startswith("sum")}
+    gemms = {name: info for name, info in compiled.items()
+             if not name.startswith(("sum", "align"))}
     # Both GEMMs in both dtypes, at each of the three row tiles (decode to prefill).
     assert {info["block_m"] for info in gemms.values()} == {16, 32, 64}
     assert len(gemms) == 12, sorted(gemms)
+    assert len(compiled) == len(gemms) + 2 + 6         # sums (two dtypes), sorts (E 128, 64)
     for name, info in compiled.items():
         assert info["shared"] <= 232448, (name, info)       # a Hopper SM's 227 KB
 
 
 def test_gemms_multiply_on_the_tensor_cores_wgmma_for_64_row_tiles(compiled):
     for name, info in compiled.items():
-        if name.startswith("sum"):
+        if name.startswith(("sum", "align")):
             continue
         assert info["mma"], (name, info)
         if info["block_m"] == 64:
