@@ -22,7 +22,7 @@ import pytest
 
 from tests.support import REPO
 
-pytestmark = pytest.mark.slow       # a process that imports torch and Triton, 20 compiles
+pytestmark = pytest.mark.slow       # a process that imports torch and Triton, 23 compiles
 
 
 COMPILE = r"""
@@ -81,8 +81,9 @@ for weights in ("bf16", "fp32"):
         moe._moe_sum_kernel, {"Y": "*bf16", "TopkIds": "*i64", "TopkWeights": f"*{weights}",
                               "Out": "*bf16"}, {"TOP_K": K, "K_POW2": K, "BLOCK_H": moe.SUM_BLOCK},
         4)
-# The one-program sort of a decode batch's pairs, at each layout's local expert count.
-for experts in sorted({experts for experts, _ in LAYOUTS.values()}):
+# The one-program sort of a decode batch's pairs, at each layout's local expert count (and
+# DeepSeek-V3's 256, which takes the same kernel).
+for experts in sorted({experts for experts, _ in LAYOUTS.values()} | {256}):
     for block_m in (16, 32, 64):
         e_pow2 = triton.next_power_of_2(experts)
         out[f"align_e{experts}_m{block_m}"] = compile(
@@ -108,7 +109,7 @@ def test_every_launch_at_qwen3_30b_a3b_sizes_compiles_within_shared_memory(compi
     # Both GEMMs in both dtypes, at each of the three row tiles (decode to prefill).
     assert {info["block_m"] for info in gemms.values()} == {16, 32, 64}
     assert len(gemms) == 12, sorted(gemms)
-    assert len(compiled) == len(gemms) + 2 + 6         # sums (two dtypes), sorts (E 128, 64)
+    assert len(compiled) == len(gemms) + 2 + 9     # sums (two dtypes), sorts (E 64, 128, 256)
     for name, info in compiled.items():
         assert info["shared"] <= 232448, (name, info)       # a Hopper SM's 227 KB
 
