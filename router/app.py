@@ -2,7 +2,9 @@
 
     build_app(args)            validates args (AppConfig), sizes the engine replicas from
                                ray.cluster_resources(), binds the EngineController
-                               (router/control/controller.py) and the router deployment
+                               (router/control/controller.py) and the router deployment,
+                               both on the head when the engines have node groups of their
+                               own (head_of_engine_groups)
     OpenAIRouter.__init__      checks the args and returns at once; in the background it asks
                                the controller for the model (to load the tokenizer) and the
                                engines' membership, and routes over them; it starts no
@@ -57,6 +59,9 @@ ROUTER_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 SPARE_ONGOING_REQUESTS = 64
 # Loading (on first use, converting) the model on every replica must finish within this.
 ENGINE_START_TIMEOUT_S = 900.0
+# Ray's resource of the head node alone; a replica asking for a sliver of it runs there.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+HEAD_SHARE = 0.001
 # "1" turns on Ray Serve's HAProxy ingress: HAProxy on the HTTP port forwards straight to the
 # router replica's own HTTP server, without the Python proxy's extra hop. Ray reads it when it
 # starts, so it belongs in the environment of `ray start` / `serve run`, not in a config file.
@@ -192,25 +197,45 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                        "%s=1 for HAProxy ingress", HAPROXY_INGRESS_ENV)
     resources = ray.cluster_resources()
     actor_options = {role: replica_actor_options(config, role, resources) for role in Role}
-    controller = EngineController.bind(dict(args or {}), actor_options)
+    head = head_of_engine_groups(resources)
+    pin = {"resources": {HEAD_NODE_RESOURCE: HEAD_SHARE}} if head is not None else {}
+    controller = EngineController.options(ray_actor_options={"num_cpus": 0, **pin}).bind(
+        dict(args or {}), actor_options)
     ongoing = (config.most_replicas(Role.DECODE) * config.engine.max_num_seqs
                + config.limits.max_queue + SPARE_ONGOING_REQUESTS)
     scaling = config.router_deployment_options()
     deployment = OpenAIRouter.options(
         max_ongoing_requests=ongoing, **scaling,
         ray_actor_options={"num_cpus": router_cpus(config, config.router_max_replicas, resources,
-                                                       actor_options),
-                           "runtime_env": {"env_vars": ROUTER_DRAIN_ENV}})
+                                                   actor_options, head),
+                           "runtime_env": {"env_vars": ROUTER_DRAIN_ENV}, **pin})
     return deployment.bind(dict(args or {}), controller)
 
 
+def head_of_engine_groups(resources: Mapping[str, float]) -> dict[str, float] | None:
+    """The head node's resources when the engines have node groups of their own (nodes that
+    advertise the "prefill" / "decode" resource, configs/cluster.yaml and the Helm chart;
+    the head does not), else None. The router and controller replicas then run on the head:
+    Serve spreads replicas over every node with a free CPU, and a router placed on an engine
+    node before its engine takes the CPU the engine asks for (503 for as long as it waits)."""
+    head = next((n["Resources"] for n in ray.nodes()
+                 if n.get("Alive") and HEAD_NODE_RESOURCE in n["Resources"]), None)
+    if head is None or any(head.get(str(role), 0) > 0 for role in Role):
+        return None
+    return head if any(resources.get(str(role), 0) > 0 for role in Role) else None
+
+
 def router_cpus(config: AppConfig, routers: int, resources: Mapping[str, float],
-                actor_options: Mapping[Role, dict[str, Any]]) -> float:
+                actor_options: Mapping[Role, dict[str, Any]],
+                head: Mapping[str, float] | None = None) -> float:
     """CPUs of each of (at most) `routers` router replicas: one where the cluster has them
     beside the engines, else an equal share of what the engines leave
-    (replica_actor_options leaves one CPU)."""
+    (replica_actor_options leaves one CPU); with `head` (they run there, no engine does),
+    of the head's CPUs."""
     cpus = {role: actor_options[role].get("num_cpus", 1.0) for role in Role}
-    if config.planner.enabled:      # the most engines that can run at once, of either role
+    if head is not None:
+        engines, resources = 0.0, head
+    elif config.planner.enabled:    # the most engines that can run at once, of either role
         engines = max(cpus.values()) * config.most_engine_replicas()
     else:
         engines = sum(cpus[role] * getattr(config, f"num_{role}") for role in Role)

@@ -11,6 +11,7 @@ import ray
 # Ray's states of an actor not yet created. PENDING_CREATION lasts until the actor's
 # constructor returns: the actor is placed once Ray has given it a worker process.
 RAY_PENDING_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
+MOST_NODES_NAMED = 8       # a message of /health and the log, not a cluster listing
 
 
 def unplaced_reason(resources: Mapping[str, Any]) -> str:
@@ -24,14 +25,27 @@ def unplaced_reason(resources: Mapping[str, Any]) -> str:
         why = (f"no node of the cluster has that much (the largest offers "
                f"{_fmt({k: largest.get(k, 0) for k in need})})")
     else:
-        free = ray.available_resources()
-        why = (f"the nodes that could take it are full (free now: "
-               f"{_fmt({k: free.get(k, 0) for k in need})})")
+        why = f"the nodes that could take it are full (free now: {_free_on(fits, need)})"
     ask = f"asks for {_fmt(need)}: "
     if _autoscaler_launching():
         return ask + why + "; the autoscaler is adding nodes: it waits for them"
     return ask + why + ("; lower the replica's resources or add a node (or wait for an "
                         "autoscaler to add one)")
+
+
+def _free_on(nodes: list[dict], need: Mapping[str, float]) -> str:
+    """What each of `nodes` has free of what the actor asks for: a sum over nodes would read
+    as room (a CPU free on one node, the role's resource on another)."""
+    try:
+        from ray._private.state import available_resources_per_node
+        free = available_resources_per_node()
+    except Exception:  # noqa: BLE001 - no answer: say nothing of what is free
+        free = {}
+    named = [f"node {n['NodeManagerAddress']} {n['NodeID'][:8]} "
+             f"{_fmt({k: free.get(n['NodeID'], {}).get(k, 0) for k in need})}"
+             for n in nodes[:MOST_NODES_NAMED]]
+    more = len(nodes) - MOST_NODES_NAMED
+    return "; ".join(named) + (f"; and {more} more nodes" if more > 0 else "")
 
 
 def _demand(options: Mapping[str, Any]) -> dict[str, float]:
