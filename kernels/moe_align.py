@@ -20,8 +20,8 @@ T*K + n * (block_m - 1) rows, n = min(E, T*K) being the most experts that can be
 Two ways, one result. `moe_align`: torch ops (a stable sort, a scatter and a search), some
 forty small launches, whatever T; the reference. `moe_align_one_program`: one Triton program
 (after a fill), for the pairs of a decode batch (up to ONE_PROGRAM_MAX_PAIRS), where those
-launches would cost more than the layer's GEMMs save: at 48 layers a step, forty graph nodes
-of a few microseconds each are milliseconds. It walks the pairs CHUNK at a time against all
+launches cost far more than the work: at 48 layers a step, forty graph nodes of a few
+microseconds each add up to milliseconds of a step of about 15. It walks the pairs CHUNK at a time against all
 experts at once ([E, CHUNK] one-hot tiles): counts per expert, then each pair's row (its
 expert's run start, plus the pairs of that expert before it), then each block's expert.
 `align` picks between them.
