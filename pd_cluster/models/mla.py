@@ -51,6 +51,7 @@ class MLAttention(nn.Module):
         m, hidden = cfg.mla, cfg.hidden_size
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads // get_tp().size      # this rank's
+        self.num_kv_heads = 1       # the cache's one latent entry, whole on every rank
         self.nope, self.rope_dim, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.latent = m.kv_lora_rank
         q_out = cfg.num_heads * m.qk_head_dim
