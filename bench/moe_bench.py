@@ -25,7 +25,8 @@ Per batch size T, reported per call:
                    T <= 512 the one-program kernel; fused_moe takes the latter up to
                    ONE_PROGRAM_MAX_PAIRS pairs (`align_taken` says which it took here)
 With --sweep, each of SWEEP's tiles is timed too (graphed), and the fastest named. Prints
-JSON on stdout, a line per batch size on stderr as it goes.
+JSON on stdout, a line per batch size on stderr as it goes; a size that fails gets a row of
+its error, and the others still run.
 """
 from __future__ import annotations
 
@@ -157,7 +158,12 @@ def main() -> None:
            "weights": "fp8_e4m3" if args.fp8 else "bf16", "calls_per_graph": CALLS,
            "copy_TBps": round(rate / 1e6, 3), "rows": []}
     for tokens in map(int, args.tokens.split(",")):
-        row = bench_tokens(tokens, weights, rate, args.fp8, args.sweep)
+        try:
+            row = bench_tokens(tokens, weights, rate, args.fp8, args.sweep)
+        except Exception as e:  # noqa: BLE001 - a size that fails (a capture, say) is reported
+            res["rows"].append({"T": tokens, "error": repr(e)[:1000]})
+            print(f"T={tokens:5d} failed: {e!r}"[:2000], file=sys.stderr, flush=True)
+            continue
         res["rows"].append(row)
         print(f"T={tokens:5d} triton {row['triton_graph_us']:9.2f} us graphed "
               f"{row['triton_eager_us']:9.2f} eager | torch loop {row['torch_loop_us']:9.2f} "
