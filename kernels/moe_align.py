@@ -59,7 +59,7 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
     counts = torch.zeros(experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, expert, torch.ones_like(expert))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[experts] = 0
+    padded[experts:].fill_(0)        # fill_, not a copy from the host: CUDA graphs capture it
     ends = padded.cumsum(0)
     # Stable: within an expert's run the pairs keep ascending order (bin `experts` sorts last).
     sorted_expert, order = torch.sort(expert, stable=True)

@@ -172,7 +172,7 @@ class SparseMoE(nn.Module):
         more for each expert some token chose (the padding rows of a graph's batch too)."""
         hit = torch.zeros_like(self.routed)
         hit.index_fill_(0, topk_ids.flatten(), 1)
-        hit[-1] = 1
+        hit[-1:].fill_(1)                # fill_, not a copy from the host (graph capture)
         self.routed += hit
 
 

@@ -181,9 +181,9 @@ def test_sum_adds_each_tokens_slots_in_ascending_expert_order_rounding_as_torch(
     ids[1] = torch.tensor([0, 1, 6, 7])         # none local
     y = (torch.randn(tokens * top_k, hidden, generator=gen) * 30).half()
     weights = torch.rand(tokens, top_k, generator=gen)
-    out = torch.empty(tokens, hidden, dtype=torch.float16)
+    out = torch.empty(tokens, hidden, dtype=torch.float16, device=DEVICE)
     moe_sum(y.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), first, experts, out)
-    ref = torch.zeros_like(out)
+    ref = torch.zeros(tokens, hidden, dtype=torch.float16)
     local, products = ids - first, y.view(tokens, top_k, hidden) * weights.half()[..., None]
     for e in range(experts):
         token, slot = torch.where(local == e)
