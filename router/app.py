@@ -5,10 +5,12 @@
                                (router/control/controller.py) and the router deployment,
                                both on the head when the engines have node groups of their
                                own (head_of_engine_groups)
-    OpenAIRouter.__init__      checks the args and returns at once; in the background it asks
-                               the controller for the model (to load the tokenizer) and the
-                               engines' membership, and routes over them; it starts no
-                               engine, so a replacement router serves within seconds
+    OpenAIRouter.__init__      checks the args; in the background it asks the controller for
+                               the model (to load the tokenizer) and the engines' membership,
+                               and routes over them; it starts no engine, so a replacement
+                               router serves within seconds. Returns at once at the
+                               application's first start, else once it serves (Serve sends a
+                               replica requests from then on)
     __serve_build_asgi_app__   router/replica_app.py's app: 503 saying why while the replica
                                starts, then the FastAPI app of router/api.py
 
@@ -37,6 +39,7 @@ from pd_cluster.tokenizer import load_tokenizer
 from router.api import Router, create_app
 from router.app_config import AppConfig, replica_actor_options
 from router.control.controller import EngineController
+from router.engine_client import answer_within
 from router.log_setup import log_info
 from router.replica_app import ReplicaApp, StartState
 from router.metrics import RouterMetrics
@@ -59,6 +62,12 @@ ROUTER_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 SPARE_ONGOING_REQUESTS = 64
 # Loading (on first use, converting) the model on every replica must finish within this.
 ENGINE_START_TIMEOUT_S = 900.0
+# A router replica that joins a serving application waits this long at most to serve before
+# Serve sends it requests (it loads the tokenizer and the membership: seconds).
+JOIN_SERVING_WITHIN_S = 60.0
+# The controller's answer to whether the application serves: at once, but a new replica's
+# first call through its handle takes seconds on a busy machine.
+SERVING_ASK_S = 15.0
 # Ray's resource of the head node alone; a replica asking for a sliver of it runs there.
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 HEAD_SHARE = 0.001
@@ -66,6 +75,12 @@ HEAD_SHARE = 0.001
 # router replica's own HTTP server, without the Python proxy's extra hop. Ray reads it when it
 # starts, so it belongs in the environment of `ray start` / `serve run`, not in a config file.
 HAPROXY_INGRESS_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+# HAProxy retries a request on another router replica when the one it picked closed the
+# connection without answering (its process died), not only when the connection failed
+# (Ray's default): a request on a kept-alive connection to a replica killed a moment before
+# would otherwise fail. Nothing of it ran (a replica that died mid-answer is not retried),
+# and a completion has no side effect to double. Ray reads it when it starts, as above.
+HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
 
 
 def start_client(config: AppConfig, engine: EngineConfig,
@@ -102,6 +117,12 @@ class OpenAIRouter:
         self.replica_app = ReplicaApp(name, ROUTER_HEADER)
         self._start = asyncio.get_running_loop().create_task(
             self._start_routing(config, controller, api_key, name))
+        # Serve hands a replica traffic once this returns. While the application serves (this
+        # replica replaces a dead one, or is added), the others answer meanwhile: return once
+        # this one serves too, not with a 503 to every request the ingress sends here. The
+        # first replicas return at once and answer 503 saying what they wait for.
+        if await _app_serving(controller):
+            await asyncio.wait({self._start}, timeout=JOIN_SERVING_WITHIN_S)
 
     async def _start_routing(self, config: AppConfig, controller: Any, api_key: str | None,
                              name: str) -> None:
@@ -159,6 +180,15 @@ class OpenAIRouter:
             router.watcher.stop()
 
 
+async def _app_serving(controller: Any) -> bool:
+    """Whether the application serves already (every tier has a READY engine); False while
+    its controller resolves the model or does not answer."""
+    try:
+        return await answer_within(controller.serving.remote(), SERVING_ASK_S)
+    except Exception:  # noqa: BLE001 - no answer: as at the first start
+        return False
+
+
 def api_url() -> str | None:
     """The OpenAI base URL Serve's proxies listen on (None when Serve does not say)."""
     try:
@@ -195,6 +225,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     if os.environ.get(HAPROXY_INGRESS_ENV) != "1":
         logger.warning("Ray Serve's Python proxy adds ~8 ms per request; start Ray with "
                        "%s=1 for HAProxy ingress", HAPROXY_INGRESS_ENV)
+    elif any(os.environ.get(k) != v for k, v in HAPROXY_RETRY_ENV.items()):
+        logger.warning("requests in flight to a router replica as it dies fail; start Ray "
+                       "with %s", " ".join(f"{k}='{v}'" for k, v in HAPROXY_RETRY_ENV.items()))
     resources = ray.cluster_resources()
     actor_options = {role: replica_actor_options(config, role, resources) for role in Role}
     head = head_of_engine_groups(resources)

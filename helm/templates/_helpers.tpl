@@ -229,6 +229,12 @@ applications:
 {{- define "pd-cluster.env" -}}
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: {{ ternary "1" "0" .Values.service.haproxy | quote }}
+{{- if .Values.service.haproxy }}
+{{- /* A request HAProxy sent to a router replica that died before answering goes to
+    another (router/app.py HAPROXY_RETRY_ENV). */}}
+- name: RAY_SERVE_HAPROXY_RETRY_ON
+  value: "conn-failure empty-response"
+{{- end }}
 - name: UCX_TLS
   value: {{ include "pd-cluster.ucxTls" . | quote }}
 {{- with .Values.ucx.netDevices }}

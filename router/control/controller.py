@@ -11,6 +11,8 @@
     membership(v, t, e) the fleet's Membership once its version is past v, at once if e is
                         not its epoch (a long poll of at most t seconds): every router
                         replica keeps one open
+    serving()           whether every tier has a READY engine, at once (a router replica
+                        that starts asks)
     drain(role, id)     stop routing to a replica, wait until it is idle, stop it
     report(samples)     a router replica's finished requests, for the planner (when
                         `planner.enabled`: router/control/planner_loop.py resizes the tiers every
@@ -134,6 +136,10 @@ class EngineController:
         await self._info
         return await self.fleet.wait_membership(since_version, min(timeout_s, LONGEST_POLL_S),
                                                 epoch)
+
+    async def serving(self) -> bool:
+        """Whether every tier has a READY engine now (False while the model resolves)."""
+        return self.fleet is not None and self.fleet.membership().serving()
 
     async def drain(self, role: Role, replica_id: int, timeout_s: float = 600.0) -> Membership:
         await self._info

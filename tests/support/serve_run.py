@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from bench.serving_bench import free_port, haproxy_wanted, ingress_env
+from router.app import HAPROXY_RETRY_ENV
 from tests.support import REPO as ROOT
 from tests.support.ray_cluster import environ, stop_shared_ray
 from tests.support.waiting import wait_until  # noqa: E402
@@ -68,13 +69,14 @@ def serve_run(args_overrides: dict, num_cpus: int = 2, serving: bool = True) -> 
     all); everything is stopped afterwards.
 
     Ray starts with HAProxy ingress, as shipped (RAY_SERVE_ENABLE_HA_PROXY=0 in the
-    environment: Serve's Python proxy instead), HAProxy's other listeners on free ports.
+    environment: Serve's Python proxy instead), HAProxy's other listeners on free ports, and
+    its retry policy (router/app.py HAPROXY_RETRY_ENV).
     Serve is started first with that port, so the file's port 8000 is ignored by `serve run`
     and parallel runs do not clash.
     """
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    with environ(ingress_env(haproxy_wanted())), _serve_run(args_overrides, num_cpus,
-                                                           serving) as url:
+    with environ({**ingress_env(haproxy_wanted()), **HAPROXY_RETRY_ENV}), \
+            _serve_run(args_overrides, num_cpus, serving) as url:
         yield url
 
 

@@ -8,8 +8,9 @@ through HAProxy with plain HTTP streams.
 - SIGKILL of a decode engine's process under load: its streams go on on the other decoder with
   the exact tokens, none fails, and the controller brings the decode tier back to 2 decoders;
 - SIGKILL of a router replica's process under load: the other router's streams end with the
-  exact tokens, every KV block of the killed router's requests is freed on P and D, and a
-  replacement router serves within 15 s over the same engine actors;
+  exact tokens, every request sent after the kill (one every PROBE_EVERY_S) succeeds, every KV
+  block of the killed router's requests is freed on P and D, and a replacement router serves
+  within REPLACED_WITHIN_S over the same engine actors;
 - a drained decoder is retired and the rest serve, /health saying "degraded".
 (An engine replica that cannot be placed: tests/router/control/test_unplaceable.py.)
 """
@@ -40,6 +41,7 @@ LONG = 48                        # tokens of a stream that must outlive a kill
 # Serve notices the dead replica at its next health check (2 s) and starts one whose process
 # imports torch and Ray Serve while the survivors' streams load both cores.
 REPLACED_WITHIN_S = 60.0
+PROBE_EVERY_S = 0.5              # new requests through the ingress after a router's kill
 FREED_WITHIN_S = 40.0            # subscriber lease (10 s) and reservation leases, with margin
 RESTORED_WITHIN_S = 120.0        # a new decoder loads the model on busy cores
 
@@ -182,20 +184,48 @@ def test_killed_decoder_streams_finish_exactly_and_the_tier_comes_back(server: s
     assert after["decode-1"] == before["decode-1"] and after["prefill-0"] == before["prefill-0"]
 
 
-def test_killed_router_streams_elsewhere_finish_its_kv_is_freed_and_it_is_replaced(
+async def probe(client: httpx.AsyncClient, url: str, sent_after: float) -> dict:
+    """One short completion through HAProxy: its router replica and status (0: no answer)."""
+    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 2}
+    try:
+        resp = await client.post(f"{url}/v1/completions", json=body)
+        return {"router": resp.headers.get(ROUTER_HEADER, ""), "status": resp.status_code,
+                "sent_after": sent_after, "body": resp.text[:200]}
+    except httpx.HTTPError as e:
+        return {"router": "", "status": 0, "sent_after": sent_after, "body": repr(e)}
+
+
+def test_killed_router_costs_only_its_streams_new_requests_succeed_and_it_is_replaced(
         server: str, expected: list[str]):
     pids = routers(server)
     assert len(pids) == 2, pids
     engines = engine_ids(server)
     victim = sorted(pids)[0]
     killed_at: list[float] = []
+    probes: list[dict] = []
 
     async def kill_when_streaming(events):
         await asyncio.wait_for(asyncio.gather(*[e.wait() for e in events]), 120)
         os.kill(pids[victim], signal.SIGKILL)
         killed_at.append(time.monotonic())
+        # New requests every PROBE_EVERY_S until one is answered by the replacement.
+        async with httpx.AsyncClient(timeout=120) as client:
+            sent: list[asyncio.Future] = []
+            while time.monotonic() - killed_at[0] < REPLACED_WITHIN_S and not any(
+                    t.done() and t.result()["router"] not in pids for t in sent):
+                sent.append(asyncio.ensure_future(
+                    probe(client, server, time.monotonic() - killed_at[0])))
+                await asyncio.sleep(PROBE_EVERY_S)
+            probes.extend(await asyncio.gather(*sent))
 
     results = run_streams(server, 16, LONG, kill_when_streaming)
+    # The ingress stops sending to the dead replica at once, and the replacement gets
+    # requests only once it serves (router/app.py): no request sent after the kill fails.
+    assert [p for p in probes if p["status"] != 200] == []
+    by_replacement = [p for p in probes if p["router"] and p["router"] not in pids]
+    assert by_replacement, "no request answered by a replacement router"
+    print(f"{len(probes)} requests after the kill, none failed; the replacement answered "
+          f"one sent {by_replacement[0]['sent_after']:.1f} s after the kill")
     on_victim = [i for i, r in enumerate(results) if r["router"] == victim]
     survivors = [i for i, r in enumerate(results) if r["router"] != victim]
     assert on_victim and survivors, [r["router"] for r in results]
