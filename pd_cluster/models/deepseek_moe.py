@@ -19,6 +19,8 @@ sum, which the next RMSNorm reduces.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +28,7 @@ from torch import nn
 from pd_cluster.config import ModelConfig
 from pd_cluster.models.deepseek_config import GroupedRouting
 from pd_cluster.models.layers import GatedMLP
-from pd_cluster.models.moe import Experts
+from pd_cluster.models.moe import COUNT_ROUTED, Experts, SparseMoE
 from pd_cluster.models.parallel import _parameter
 
 
@@ -74,12 +76,14 @@ class GroupedRouter(nn.Module):
         return (weights * self.routing.routed_scaling_factor).to(x.dtype), ids
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(SparseMoE):
     """The MLP of a sparse DeepSeek layer: routed experts plus shared ones. x [T, hidden] ->
-    this rank's partial sum [T, hidden]."""
+    this rank's partial sum [T, hidden]. A SparseMoE with its own router and the shared
+    experts, so that it counts the routed experts as that does (moe.py `routed_counts`, which
+    bench/tp_bench.py reads)."""
 
     def __init__(self, cfg: ModelConfig, expert_parallel: bool = False):
-        super().__init__()
+        nn.Module.__init__(self)        # SparseMoE's router is not DeepSeek's
         routing = cfg.routing
         self.gate = GroupedRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                   cfg.norm_topk_prob, routing)
@@ -90,7 +94,13 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = GatedMLP(cfg.hidden_size,
                                            cfg.moe_intermediate_size * routing.n_shared_experts,
                                            reduce_results=False)
+        counting = os.environ.get(COUNT_ROUTED) == "1"
+        self.register_buffer("routed", torch.zeros(cfg.num_experts + 1, dtype=torch.int64)
+                             if counting else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.gate(x))
+        topk_weights, topk_ids = self.gate(x)
+        if self.routed is not None:
+            self._count(topk_ids)
+        out = self.experts(x, topk_weights, topk_ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
