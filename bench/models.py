@@ -42,8 +42,37 @@ TINY_QWEN3_MOE = {**QWEN3_30B_A3B, "hidden_size": 64, "intermediate_size": 128,
                   "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
                   "num_experts_per_tok": 2, "max_position_embeddings": 4096,
                   "torch_dtype": "float32"}
+# DeepSeek-V2-Lite's published config.json (15.7B): multi-head latent attention (16 heads, no
+# q-LoRA, a latent of 512 plus a 64-wide RoPE key cached a token and layer), 26 sparse layers
+# of 64 routed experts (top-6, softmax, not renormalized) and 2 shared ones after one dense.
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1,
+    "topk_group": 1, "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "aux_loss_alpha": 0.001, "seq_aux": True,
+    "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 100000,
+    "eos_token_id": 100001, "initializer_range": 0.02, "use_cache": True,
+    "torch_dtype": "bfloat16",
+}
+# Its CPU-sized cut (tests run bench/tp_bench.py's DeepSeek path on it): the published widths
+# of attention shrunk, 8 experts of which 2 routed and 1 shared, the whole vocabulary.
+TINY_DEEPSEEK_V2 = {**DEEPSEEK_V2_LITE, "hidden_size": 64, "intermediate_size": 128,
+                    "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                    "max_position_embeddings": 4096, "torch_dtype": "float32"}
 SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "tiny-llama": TINY_LLAMA,
-          "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-qwen3-moe": TINY_QWEN3_MOE}
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-qwen3-moe": TINY_QWEN3_MOE,
+          "deepseek-v2-lite": DEEPSEEK_V2_LITE, "tiny-deepseek-v2": TINY_DEEPSEEK_V2}
 
 
 def dummy_model_dir(shape: str = "llama-3.1-8b", tokenizer_from: str | None = None) -> str:
@@ -66,6 +95,10 @@ def params_bytes(cfg: dict, itemsize: int = 2, linear_itemsize: int | None = Non
     routers, norms, any dense layer's MLP, lm_head), whose routed share `decode_weight_bytes`
     adds. `linear_itemsize`: of the decoder layers' linear weights when it differs (FP8: 1,
     their per-channel float32 scales counted; the norms, routers and lm_head keep `itemsize`)."""
+    if is_deepseek(cfg):
+        if linear_itemsize is not None:
+            raise ValueError("FP8 DeepSeek weights: no roofline")
+        return _deepseek_params_bytes(cfg, itemsize)
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
     layers, sparse = cfg["num_hidden_layers"], moe_layers(cfg)
@@ -80,6 +113,10 @@ def params_bytes(cfg: dict, itemsize: int = 2, linear_itemsize: int | None = Non
 
 
 def kv_bytes_per_token(cfg: dict, itemsize: int = 2) -> int:
+    """All layers' cache bytes a token: a latent cache holds one kv_lora_rank + RoPE-dim entry
+    a layer (whole on every tensor-parallel rank), others a K and a V a KV head."""
+    if is_deepseek(cfg):
+        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * itemsize
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim(cfg) * itemsize
 
 
@@ -100,14 +137,19 @@ def _qk_norm(cfg: dict) -> bool:
 
 
 def num_experts(cfg: dict) -> int:
-    """Experts per sparse layer (0: a dense model); Mixtral's config says num_local_experts."""
-    return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    """Routed experts per sparse layer (0: a dense model); Mixtral's config says
+    num_local_experts, DeepSeek's n_routed_experts."""
+    return (cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+            or 0)
 
 
 def moe_layers(cfg: dict) -> int:
     """The decoder layers holding experts (pd_cluster/config.py ModelConfig.is_moe_layer)."""
     if not num_experts(cfg):
         return 0
+    if is_deepseek(cfg):        # pd_cluster/models/deepseek_config.py deepseek_fields
+        first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+        return sum(1 for i in range(cfg["num_hidden_layers"]) if i >= first and i % freq == 0)
     step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
     return sum(1 for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
 
@@ -152,6 +194,37 @@ def resident_weight_bytes(cfg: dict, tp: int = 1, itemsize: int = 2) -> float:
     of all the experts (a 16-bit model; EP or TP, each GPU holds 1/tp of them)."""
     return (params_bytes(cfg, itemsize)
             + moe_layers(cfg) * num_experts(cfg) * expert_bytes(cfg, itemsize)) / tp
+
+
+# -- DeepSeek-V2/V3 --------------------------------------------------------------------------
+
+
+def is_deepseek(cfg: dict) -> bool:
+    return cfg["architectures"][0] in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def _deepseek_params_bytes(cfg: dict, itemsize: int) -> int:
+    """`params_bytes` of a DeepSeek model (pd_cluster/models/mla.py, deepseek_moe.py): per
+    layer multi-head latent attention (q_proj, or q-LoRA's q_a_proj, norm and q_b_proj;
+    kv_a_proj_with_mqa, the latent's norm, kv_b_proj, o_proj) and two norms; the dense
+    layers' MLP; the sparse layers' fp32 router (DeepSeek keeps the gate in fp32), V3's
+    routing bias, and shared experts of moe_intermediate_size each. At tp > 1 the replicated
+    kv_a_proj_with_mqa and router are counted as split (the roofline is for tp 1)."""
+    h, v, heads = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    latent, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    nope, vd, q_lora = cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg.get("q_lora_rank")
+    q_out = heads * (nope + rope)
+    q = h * q_out if q_lora is None else h * q_lora + q_lora + q_lora * q_out
+    attention = (q + h * (latent + rope) + latent + latent * heads * (nope + vd)
+                 + heads * vd * h) * itemsize
+    layers, sparse, experts = cfg["num_hidden_layers"], moe_layers(cfg), num_experts(cfg)
+    mlp = 3 * h * cfg["intermediate_size"] * itemsize
+    bias = experts if cfg.get("topk_method") == "noaux_tc" or (
+        cfg["architectures"][0] == "DeepseekV3ForCausalLM" and not cfg.get("topk_method")) else 0
+    router = (experts * h + bias) * 4
+    shared = (cfg.get("n_shared_experts") or 0) * expert_bytes(cfg, itemsize)
+    return (layers * (attention + 2 * h * itemsize) + (layers - sparse) * mlp
+            + sparse * (router + shared) + (v * h + h) * itemsize)
 
 
 def word_tokenizer(path: str, vocab_size: int) -> str:
