@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pd_cluster.config_errors import validate_config
-from pd_cluster.models.deepseek_config import (DEEPSEEK_ARCHITECTURES, GroupedRouting,
-                                               MLAConfig, deepseek_fields)
+from pd_cluster.models.deepseek_config import (DEEPSEEK_ARCHITECTURES, GroupedRouting, MLAConfig,
+                                               deepseek_fields)
 from pd_cluster.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:       # torch only where a method needs it: the config imports without it

@@ -12,7 +12,9 @@ from pd_cluster.attention.base import AttentionBackend, AttentionMetadata
 @dataclass(slots=True)
 class ForwardContext:
     attn: AttentionMetadata
-    kv_cache: torch.Tensor            # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    # [num_layers, parts (2: K and V; 1: a latent cache), num_blocks, block_size, kv_heads,
+    # head_dim] (pd_cluster/kv_layout.py)
+    kv_cache: torch.Tensor
     backend: AttentionBackend
     # Called after each layer has written its KV: the prefill side starts that layer's transfer
     # here, so sending layer i overlaps computing layer i + 1.

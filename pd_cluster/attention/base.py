@@ -7,6 +7,10 @@ Paged KV layout (one tensor for the whole engine, see `pd_cluster.kv_layout`):
 
 Token slot `s` of the KV cache lives at block `s // block_size`, offset `s % block_size`.
 
+A latent cache (multi-head latent attention, DeepSeek) has one part a layer, kv_cache[layer, 0]
+= [num_blocks, block_size, 1, L + R], which its models attend to themselves
+(pd_cluster/attention/mla.py; the backend only says whether the Triton kernel decodes).
+
 A forward pass runs over a flattened batch of tokens from several sequences. The scheduler
 puts decodes first, so the first `num_decodes` sequences each contribute exactly one query
 token and the rest are (chunked) prefills:

@@ -17,7 +17,7 @@ skipped. FP8 block-quantized checkpoints are refused when the config is read
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -30,7 +30,8 @@ from pd_cluster.models.deepseek_rope import DeepseekRotary
 from pd_cluster.models.layers import GatedMLP, RMSNorm
 from pd_cluster.models.mla import MLAttention
 from pd_cluster.models.moe import map_expert_name
-from pd_cluster.models.parallel import ParallelLMHead, VocabParallelEmbedding, default_weight_loader
+from pd_cluster.models.parallel import (ParallelLMHead, VocabParallelEmbedding,
+                                        default_weight_loader)
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 # Dense MLPs' (and shared experts') gate and up go into one packed matmul.

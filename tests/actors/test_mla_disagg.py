@@ -13,11 +13,11 @@ from pd_cluster import LLM
 from tests.support.tiny_deepseek import make_tiny_deepseek
 
 ray = pytest.importorskip("ray")
-from tests.support.disagg import (GREEDY, load_of, run_all, shutdown, start,  # noqa: E402
-                                  wait_all_free)
 from router.app import start_client  # noqa: E402
 from router.app_config import AppConfig  # noqa: E402
 from router.routing import Route  # noqa: E402
+from tests.support.disagg import (GREEDY, load_of, run_all, shutdown, start,  # noqa: E402
+                                  wait_all_free)
 from tests.support.engine_clients import collect, prefilled_tokens  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
 

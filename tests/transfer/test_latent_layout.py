@@ -83,7 +83,7 @@ def test_transports_move_latent_blocks_between_any_degrees(backend, p_tp, d_tp):
         d.register_shards(d_shards)
         p.connect(d.descriptor().encode())
         d.connect(p.descriptor().encode())
-        t = p.write(d.name, SRC, DST, layers=range(0, LAYERS))
+        t = p.write(d.name, SRC, DST, layers=range(LAYERS))
         target = d.expect(p.name, t.id)
         # Both sides progress on every poll (a list, not `and`: the target acknowledges).
         wait_until(lambda: all([p.poll(t).finished, d.poll(target).finished]), 20, 1e-3)

@@ -36,7 +36,8 @@ def test_two_ranks_give_the_logits_of_one(family, load_format, rank_outputs, tin
     for rank in range(TP):
         stem = os.path.join(rank_outputs, f"{family}-{load_format}.rank{rank}")
         if os.path.exists(stem + ".err"):
-            pytest.fail(f"rank {rank} failed:\n" + open(stem + ".err").read())
+            with open(stem + ".err") as f:
+                pytest.fail(f"rank {rank} failed:\n" + f.read())
         if not os.path.exists(stem + ".pt"):
             pytest.fail(f"rank {rank} has no logits: an earlier case failed on some rank")
         torch.testing.assert_close(torch.load(stem + ".pt"), expected, rtol=1e-4, atol=1e-5)
