@@ -37,6 +37,12 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t)
 
 
+def token_bound(engine) -> int:
+    """The exclusive top of the random prompts' token ids: 120000, or a smaller vocabulary's
+    size (DeepSeek-V2's 102400), so that every shape draws the same ids where it can."""
+    return min(120000, engine.model_cfg.vocab_size)
+
+
 def start_decoding(engine, batch: int, context: int, low: int, high: int, seed: int,
                    **params) -> list[str]:
     """`batch` greedy requests of `context` random tokens in [low, high), all prefilled and
@@ -63,7 +69,8 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, bw: float,
     """`timed`: entered around the timed steps alone, its exit after their time is taken
     (bench/tp_bench.py counts the experts they route to)."""
     engine = llm.engine
-    ids = start_decoding(engine, batch, context, 1000, 120000, seed=batch * 7 + context)
+    ids = start_decoding(engine, batch, context, 1000, token_bound(engine),
+                         seed=batch * 7 + context)
     computed = sum(engine.scheduler.requests[i].num_computed_tokens for i in ids)
     with timed or contextlib.nullcontext():
         t = time.perf_counter()
@@ -93,7 +100,8 @@ def prefill(llm: LLM, n: int = 8, length: int = 2048) -> dict:
     times = []
     for rep in range(4):
         for _ in range(n):
-            engine.add_request([rng.randrange(1000, 120000) for _ in range(length)], params)
+            engine.add_request([rng.randrange(1000, token_bound(engine))
+                                for _ in range(length)], params)
         torch.cuda.synchronize()
         t = time.perf_counter()
         while engine.has_unfinished():

@@ -1,7 +1,7 @@
 """Tensor parallelism against one GPU, in one run: decode steps, prefill, and where TP's time goes.
 
     python -m bench.tp_bench [--shape llama-3.1-8b] [--tp 1,2] [--batches 64,128]
-        [--context 1024] [--prefill 8x2048] [--quantization fp8] [--kv-cache-dtype fp8]
+        [--context 1024,4096] [--prefill 8x2048] [--quantization fp8] [--kv-cache-dtype fp8]
         [--expert-parallel]
 
 Each TP size runs in a process of its own (one after another, GPUs 0..N-1), and the parent
@@ -13,6 +13,8 @@ through `engine.step()` with async scheduling, as bench/engine_bench.py does):
 - the time rank 0's GPU spends in collectives per step (kernels of the peer all-reduce, and
   NCCL's), from a profile of 8 more steps: it includes waiting for the other ranks; the
   profile's kernel time per step and its top kernels.
+Each batch at each `--context` (a comma list: the decode rows' `context`); the profile of
+collectives at the first.
 Prefill: `--prefill N x L` prompts of random tokens, one output token each, tok/s (the best of
 three after a warm-up).
 
@@ -26,6 +28,11 @@ counters add four small kernels a layer to every step; `--no-count-experts` leav
 `--expert-parallel`: the sizes after 1 hold whole experts, E / tp per GPU (the engine's
 enable_expert_parallel; attention stays tensor-parallel), their runs and ratios named
 "ep<tp>"; each GPU then reads the routed experts among its own.
+
+DeepSeek (`--shape deepseek-v2-lite`): the same MoE roofline over its non-expert bytes
+(latent attention, the dense first layer's MLP, shared experts: bench/models.py); its KV
+cache is latent, kv_lora_rank + qk_rope_head_dim values a token and layer, whole on every
+rank (`kv_bytes_per_token`).
 """
 from __future__ import annotations
 
@@ -39,10 +46,11 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_bench import copy_bandwidth, decode_steps, prefill, start_decoding
+from bench.engine_bench import (copy_bandwidth, decode_steps, prefill, start_decoding,
+                                token_bound)
 from bench.models import (SHAPES, decode_weight_bytes, dummy_model_dir, expected_routed_experts,
-                          expert_bytes, kv_bytes_per_token, moe_layers, num_experts,
-                          params_bytes, resident_weight_bytes)
+                          expert_bytes, is_deepseek, kv_bytes_per_token, moe_layers,
+                          num_experts, params_bytes, resident_weight_bytes)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +62,7 @@ def collective_ms(llm, batch: int, context: int, steps: int = 8) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    ids = start_decoding(engine, batch, context, 1000, 120000, seed=batch)
+    ids = start_decoding(engine, batch, context, 1000, token_bound(engine), seed=batch)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
@@ -87,16 +95,18 @@ def run_one(args) -> dict:
     fp8_weights, fp8_kv = args.quantization == "fp8", args.kv_cache_dtype == "fp8"
     tp = args.tp_one
     ep = args.expert_parallel and tp > 1
-    local_kv = max(1, cfg["num_key_value_heads"] // tp)
     weight_bytes = params_bytes(cfg, 2, 1 if fp8_weights else None) / tp
-    kv_token_bytes = (kv_bytes_per_token(cfg, 1 if fp8_kv else 2) * local_kv
-                      / cfg["num_key_value_heads"])
+    kv_token_bytes = kv_bytes_per_token(cfg, 1 if fp8_kv else 2)
+    if not is_deepseek(cfg):        # a rank's KV heads; the latent is whole on each
+        kv_token_bytes *= max(1, cfg["num_key_value_heads"] // tp) / cfg["num_key_value_heads"]
     batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in str(args.context).split(",")]
     extra = {k: json.loads(v) for k, v in (e.split("=", 1) for e in args.engine)}
     res = {"engine_args": extra, "tp": tp, "device": torch.cuda.get_device_name(),
            "shape": args.shape,
            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-           "weight_gb_per_gpu": weight_bytes / 1e9, "kv_bytes_per_token_per_gpu": kv_token_bytes}
+           "weight_gb_per_gpu": weight_bytes / 1e9, "kv_bytes_per_token_per_gpu": kv_token_bytes,
+           "kv_bytes_per_token": kv_bytes_per_token(cfg, 1 if fp8_kv else 2)}
     if args.expert_parallel:
         res["expert_parallel"] = ep
     if num_experts(cfg):
@@ -109,19 +119,19 @@ def run_one(args) -> dict:
     began = time.perf_counter()
     llm = LLM(dummy_model_dir(args.shape), load_format="dummy", dtype="bfloat16",
               tensor_parallel_size=tp, max_num_seqs=max(batches), max_num_batched_tokens=16384,
-              max_model_len=max(args.context + 512, _prefill_len(args) + 16),
+              max_model_len=max(max(contexts) + 512, _prefill_len(args) + 16),
               quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype,
               **({"enable_expert_parallel": True} if ep else {}), **extra)
     res["engine_start_s"] = time.perf_counter() - began
     res["peer_all_reduce"] = _peer_on()
     if num_experts(cfg):
-        res["decode"] = [moe_decode_steps(llm, cfg, b, args, bw, kv_token_bytes, tp, ep)
-                         for b in batches]
+        res["decode"] = [moe_decode_steps(llm, cfg, b, c, args, bw, kv_token_bytes, tp, ep)
+                         for c in contexts for b in batches]
     else:
-        res["decode"] = [decode_steps(llm, b, args.context, args.steps, bw, weight_bytes,
-                                      kv_token_bytes) for b in batches]
-    res["collectives"] = [collective_ms(llm, b, args.context) for b in batches]
+        res["decode"] = [decode_steps(llm, b, c, args.steps, bw, weight_bytes, kv_token_bytes)
+                         for c in contexts for b in batches]
+    res["collectives"] = [collective_ms(llm, b, contexts[0]) for b in batches]
     if args.prefill:
         n, length = (int(v) for v in args.prefill.split("x"))
         res["prefill"] = prefill(llm, n, length)
@@ -167,14 +177,14 @@ class RoutedExperts:
         self.per_gpu = by_rank.max(1).values.mean().item()
 
 
-def moe_decode_steps(llm, cfg: dict, batch: int, args, bw: float, kv_token_bytes: float,
-                     tp: int, ep: bool) -> dict:
+def moe_decode_steps(llm, cfg: dict, batch: int, context: int, args, bw: float,
+                     kv_token_bytes: float, tp: int, ep: bool) -> dict:
     """engine_bench.decode_steps with the MoE roofline (module docstring): its weight bytes
     those of the experts the timed steps routed to, measured; `roofline_expected_ms` with
     uniform routing's expectation instead."""
     routed = RoutedExperts(llm.engine.runner.model, tp if ep else 1)
     expected_bytes = decode_weight_bytes(cfg, batch, tp, ep)
-    row = decode_steps(llm, batch, args.context, args.steps, bw, expected_bytes,
+    row = decode_steps(llm, batch, context, args.steps, bw, expected_bytes,
                        kv_token_bytes, timed=routed)
     kv = row["mean_context"] * batch * kv_token_bytes
     weight = decode_weight_bytes(cfg, batch, tp, ep, routed.per_gpu)
@@ -203,7 +213,12 @@ def _peer_on() -> bool:
 
 
 def ratios(base: dict, run: dict) -> dict:
-    out = {f"decode_b{a['batch']}_tok_s": b["output_tok_s"] / a["output_tok_s"]
+    contexts = {row["context"] for row in base["decode"]}
+
+    def name(row: dict) -> str:     # the context named when there are several
+        return f"decode_b{row['batch']}" + (f"_c{row['context']}" if len(contexts) > 1 else "")
+
+    out = {f"{name(a)}_tok_s": b["output_tok_s"] / a["output_tok_s"]
            for a, b in zip(base["decode"], run["decode"])}
     if "prefill" in base and "prefill" in run:
         out["prefill_tok_s"] = run["prefill"]["tok_s"] / base["prefill"]["tok_s"]
@@ -220,7 +235,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--tp", default="1,2", help="TP sizes, run one after another")
     ap.add_argument("--batches", default="64,128")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--context", default="1024", help="contexts, each batch at each")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prefill", default="8x2048", help="N x L, or empty for none")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
