@@ -125,12 +125,15 @@ def run_one(args) -> dict:
               **({"enable_expert_parallel": True} if ep else {}), **extra)
     res["engine_start_s"] = time.perf_counter() - began
     res["peer_all_reduce"] = _peer_on()
-    if num_experts(cfg):
-        res["decode"] = [moe_decode_steps(llm, cfg, b, c, args, bw, kv_token_bytes, tp, ep)
-                         for c in contexts for b in batches]
-    else:
-        res["decode"] = [decode_steps(llm, b, c, args.steps, bw, weight_bytes, kv_token_bytes)
-                         for c in contexts for b in batches]
+    res["decode"] = []
+    for c in contexts:
+        for b in batches:
+            row = (moe_decode_steps(llm, cfg, b, c, args, bw, kv_token_bytes, tp, ep)
+                   if num_experts(cfg) else
+                   decode_steps(llm, b, c, args.steps, bw, weight_bytes, kv_token_bytes))
+            res["decode"].append(row)
+            # As it goes (on stderr), so that a run cut short keeps the rows done.
+            print(json.dumps({"tp": tp, "decode": row}), file=sys.stderr, flush=True)
     res["collectives"] = [collective_ms(llm, b, contexts[0]) for b in batches]
     if args.prefill:
         n, length = (int(v) for v in args.prefill.split("x"))
