@@ -114,7 +114,8 @@ def test_mla_decode_empty_batch_launches_nothing():
 
 
 # The launcher's own constexprs at DeepSeek's widths and the engine's block size, bf16, PDL on
-# (sm90); pointers and the strides that the launcher specializes declared 16-byte aligned.
+# (sm90), at 16 query heads (V2-Lite; V3 at TP 8) and 128 (V3 on one GPU); pointers and the
+# strides that the launcher specializes declared 16-byte aligned.
 COMPILE = r"""
 import json, re, subprocess, tempfile
 import torch
@@ -123,10 +124,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import decode_attention, mla_decode as mla
 
-num_heads, latent, rope, page = 16, 512, 64, 16
-meta = mla.stage1_meta(num_heads, latent, rope, page, torch.device("cpu"))
-meta.update(PDL=True)
-options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "launch_pdl")}
+latent, rope, page = 512, 64, 16
 ints = {"qk_scale": "fp32"}
 
 
@@ -154,11 +152,15 @@ def usage(kernel):
 
 
 out = {}
-for direct in (True, False):
-    scratch = ("PartialLse",) if direct else ("PartialOut", "PartialLse")
-    kernel = compile_kernel(mla._mla_stage1_kernel, {**meta, "DIRECT": direct}, options,
-                            scratch)
-    out[f"stage1_direct_{direct}"] = usage(kernel)
+for num_heads in (16, 128):
+    meta = mla.stage1_meta(num_heads, latent, rope, page, torch.device("cpu"))
+    meta.update(PDL=True)
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "launch_pdl")}
+    for direct in (True, False):
+        scratch = ("PartialLse",) if direct else ("PartialOut", "PartialLse")
+        kernel = compile_kernel(mla._mla_stage1_kernel, {**meta, "DIRECT": direct}, options,
+                                scratch)
+        out[f"h{num_heads}_stage1_direct_{direct}"] = usage(kernel)
 stage2 = decode_attention._decode_stage2_kernel
 kernel = compile_kernel(stage2, {"HEAD_DIM": latent, "BLOCK_D": meta["BLOCK_L"],
                                  "BLOCK_N": meta["BLOCK_N"], "OUT_FP8": False, "PDL": True},
@@ -168,14 +170,15 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow       # a process that imports torch and Triton, three compiles
+@pytest.mark.slow       # a process that imports torch and Triton, five compiles
 def test_mla_kernels_compile_for_sm90_in_bf16():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(kernels) == {"stage1_direct_True", "stage1_direct_False", "stage2"}, kernels
+    assert set(kernels) == {f"h{h}_stage1_direct_{d}" for h in (16, 128)
+                            for d in (True, False)} | {"stage2"}, kernels
     # No spills (kernels/mla_decode.py's launch defaults say what spills), and shared memory for two
     # programs an SM (228 KiB on an H100/H200): the loads of one hide the other's math.
     assert all(k["stack"] == 0 for k in kernels.values()), kernels
