@@ -218,6 +218,43 @@ def mla_decode(
     return out
 
 
+@triton.jit
+def _store_latent_kernel(C, KPe, Cache, Slots, stride_c, stride_k, stride_cb, stride_cs,
+                         PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
+                         BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One token: its [c, k_pe] row into its cache slot; slot < 0 (a CUDA graph's padding
+    row) writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot < 0:
+        return
+    row = Cache + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
+    offs_l = tl.arange(0, BLOCK_L)
+    c = tl.load(C + t * stride_c + offs_l, mask=offs_l < LATENT)
+    tl.store(row + offs_l, c.to(Cache.dtype.element_ty), mask=offs_l < LATENT)
+    offs_r = tl.arange(0, BLOCK_R)
+    k_pe = tl.load(KPe + t * stride_k + offs_r, mask=offs_r < ROPE)
+    tl.store(row + LATENT + offs_r, k_pe.to(Cache.dtype.element_ty), mask=offs_r < ROPE)
+
+
+def store_latent(c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write each new token's c [T, L] and k_pe [T, R] (last dims contiguous) to its slot of
+    kv_cache [num_blocks, block_size, L + R] (slot s: block s // block_size, row s %
+    block_size); negative slots are skipped, so CUDA graphs' padded batches write nothing
+    (torch indexing would wrap -1 to the last slot). Reference: pd_cluster/attention/mla.py
+    store_latent."""
+    t, latent = c.shape
+    rope = k_pe.shape[-1]
+    if t == 0:
+        return
+    assert c.stride(-1) == 1 and k_pe.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    _store_latent_kernel[(t,)](
+        c, k_pe, kv_cache, slot_mapping, c.stride(0), k_pe.stride(0), kv_cache.stride(0),
+        kv_cache.stride(1), PAGE_SIZE=kv_cache.shape[1], LATENT=latent, ROPE=rope,
+        BLOCK_L=triton.next_power_of_2(latent), BLOCK_R=triton.next_power_of_2(rope))
+
+
 def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    scale: float) -> torch.Tensor:

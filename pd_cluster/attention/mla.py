@@ -31,8 +31,14 @@ from pd_cluster.attention.torch_backend import gather_kv
 
 
 def store_latent(c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Write each new token's [c, k_pe] (c [T, L], k_pe [T, R]) to its cache slot."""
+                 slot_mapping: torch.Tensor, kernel: bool = False) -> None:
+    """Write each new token's [c, k_pe] (c [T, L], k_pe [T, R]) to its cache slot. `kernel`:
+    kernels/mla_decode.py's store, which skips the negative slots of CUDA graphs' padding rows
+    (torch's indexing would wrap them to the last slot; eager steps have none)."""
+    if kernel:
+        from kernels.mla_decode import store_latent as store
+        store(c, k_pe, cache, slot_mapping)
+        return
     rows = cache.view(-1, cache.shape[-1])
     rows[slot_mapping] = torch.cat([c, k_pe], dim=-1).to(cache.dtype)
 
@@ -88,7 +94,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,
     (module docstring). q_nope [T, H, N], q_pe [T, H, R] (rotated), c [T, L] (normalised),
     k_pe [T, R] (rotated), cache [num_blocks, block_size, L + R], w_uk [H, N, L], w_uv
     [H, V, L] -> [T, H, V] in q's dtype. `kernel`: decode with the Triton kernel."""
-    store_latent(c, k_pe, cache, meta.slot_mapping)
+    store_latent(c, k_pe, cache, meta.slot_mapping, kernel)
     t, h = q_nope.shape[:2]
     out = torch.empty(t, h, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
     d = meta.num_decode_tokens

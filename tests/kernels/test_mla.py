@@ -20,7 +20,7 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.mla_decode import mla_decode, mla_decode_ref  # noqa: E402
+from kernels.mla_decode import mla_decode, mla_decode_ref, store_latent  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
@@ -111,6 +111,23 @@ def test_mla_decode_empty_batch_launches_nothing():
     out = mla_decode(q, q[..., :16], kv_cache, table[:0],
                      torch.empty(0, dtype=torch.int32, device=DEVICE), 0.1)
     assert out.shape == (0, 16, 64)
+
+
+def test_store_latent_writes_each_row_to_its_slot_and_skips_negative_slots():
+    # Odd widths (masked), a cache whose rows are padded apart, and a CUDA graph's padding
+    # rows (slot -1), which must leave the cache's last slot alone.
+    latent, rope, block_size = 40, 10, 16
+    cache, _ = paged_latent_cache([64], block_size, latent + rope, pad=6)
+    cache.zero_()
+    c = torch.randn(5, latent, dtype=DTYPE, device=DEVICE)
+    k_pe = torch.randn(5, rope, dtype=DTYPE, device=DEVICE)
+    slots = torch.tensor([17, 3, -1, 40, -1], device=DEVICE)
+    store_latent(c, k_pe, cache, slots)
+    want = torch.zeros_like(cache)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[s // block_size, s % block_size] = torch.cat([c[i], k_pe[i]])
+    assert torch.equal(cache, want)
 
 
 # The launcher's own constexprs at DeepSeek's widths and the engine's block size, bf16, PDL on
