@@ -153,9 +153,8 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None    # a follower's copy of the samples
         self.graphs = None
         max_batch = self._graph_batch_limit(min(config.max_num_seqs, 512))
-        # MLA decode is not captured yet: its attention reads host lengths (models/mla.py).
         if (config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
-                and max_batch > 0 and model_cfg.mla is None):
+                and max_batch > 0):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.backend, max_batch,
                                        max_model_len, self.block_size, model_cfg.hidden_size,
                                        self.dtype)
