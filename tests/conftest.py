@@ -14,10 +14,14 @@ from tests.support.ray_cluster import environ, start_local_ray, stop_shared_ray
 SHARED_SERVER = "default_server"
 SHARED_SERVER_LATER = "default_server_later"
 OWN_RAY = "own_ray"
+RAY_FIXTURES = ("ray_cluster", OWN_RAY, SHARED_SERVER, SHARED_SERVER_LATER)
 
 
+@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _run_server_tests_last(items)
+    _mark_ray_and_server_tests_slow(items)
+    _group_for_workers(items)
     _skip_gpu_tests_without_cuda(items)
 
 
@@ -38,6 +42,27 @@ def _run_server_tests_last(items: list[pytest.Item]) -> None:
             return 2
         return 1 if OWN_RAY in fixtures else 0
     items.sort(key=group)       # stable: the collected order within each group
+
+
+def _mark_ray_and_server_tests_slow(items: list[pytest.Item]) -> None:
+    """The quick run (`-m "not slow"`) leaves out every test that starts Ray or a server:
+    their start-up alone takes seconds to most of a minute on 2 cores."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if item.get_closest_marker("serve") or any(f in fixtures for f in RAY_FIXTURES):
+            item.add_marker(pytest.mark.slow)
+
+
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """The units that pytest-xdist (`--dist loadgroup`, pyproject.toml) hands to its workers:
+    a module whole, so that its module fixtures (a Ray, a server, engines) start once, and
+    every test on `default_server` in one unit, so that it starts once. Ignored without
+    xdist."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        shared = SHARED_SERVER in fixtures or SHARED_SERVER_LATER in fixtures
+        item.add_marker(pytest.mark.xdist_group(
+            SHARED_SERVER if shared else item.nodeid.split("::")[0]))
 
 
 def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:

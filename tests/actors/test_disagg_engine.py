@@ -14,6 +14,7 @@ def model_dir(tiny_model_root):
     return make_tiny_model("llama_gqa", tiny_model_root)
 
 
+@pytest.mark.slow
 def test_disaggregated_greedy_equals_colocated(model_dir):
     shared = list(range(3, 40))
     prompts = [shared + [41, 42], list(range(50, 57)), shared + [60], [7, 8, 9]]
@@ -34,6 +35,7 @@ def test_disaggregated_greedy_equals_colocated(model_dir):
         pair.close()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_continues_the_same_stream_across_engines(model_dir):
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
     prompt = [9, 8, 7, 6, 5, 4]
@@ -46,6 +48,7 @@ def test_seeded_sampling_continues_the_same_stream_across_engines(model_dir):
         pair.close()
 
 
+@pytest.mark.slow
 def test_layer_transfers_start_before_the_next_layer_finishes(default_model_dir):
     pair = Pair(default_model_dir, block_size=16)
     try:

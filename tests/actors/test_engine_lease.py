@@ -23,6 +23,7 @@ ACTOR_LEASE_S = 3.0
 ACTOR_STOPS_WITHIN_S = ACTOR_LEASE_S + WATCH_EVERY_S + 5.0   # and Ray seeing the process end
 
 
+@pytest.mark.slow
 def test_renewed_lease_holds_and_an_unrenewed_one_lapses_within_its_length():
     lapsed = threading.Event()
     lease = EngineLease("decode-0", LEASE_S, on_lapse=lapsed.set)

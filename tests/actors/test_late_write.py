@@ -175,6 +175,7 @@ def test_without_the_quarantine_the_same_late_write_corrupts_the_new_owner(tiny,
         pair.close()
 
 
+@pytest.mark.slow
 def test_a_dead_writers_fence_ends_at_its_deadline(tiny, hf_b, backend):
     """P never drains (it died with its writes unsent): A's blocks stay fenced for the lease
     plus the margin, then B gets them; P's writes never go out."""

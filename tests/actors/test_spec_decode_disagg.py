@@ -21,6 +21,7 @@ def draft_of(model_dir: str) -> dict:
             "draft_num_kv_blocks": 128}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,method", [("llama_gqa", "ngram"), ("qwen3_qknorm", "ngram"),
                                            ("llama_gqa", "draft_model"),
                                            ("qwen3_qknorm", "draft_model")])

@@ -71,11 +71,13 @@ def colocated(tiny_tok):
             for o in llm.generate(PROMPTS, params(SCHEMA))]
 
 
+@pytest.mark.slow
 def test_a_random_model_under_a_schema_emits_only_valid_json_and_stops(colocated):
     for text, reason, _ in colocated:
         assert_valid(text, reason, SCHEMA)
 
 
+@pytest.mark.slow
 def test_sampled_and_async_scheduled_requests_stay_valid(tiny_tok):
     llm = LLM(tiny_tok, block_size=16, num_kv_blocks=64, async_scheduling=True)
     outs = llm.generate(PROMPTS * 2, [params(SCHEMA, temperature=1.0, seed=i)

@@ -304,6 +304,7 @@ def test_summary_marks_a_limit_no_rate_reached_as_a_lower_bound():
         "disagg:1:1 / colo:2"]["bound"].startswith("unknown")
 
 
+@pytest.mark.slow
 def test_rejudge_applies_other_slos_to_the_same_requests(tmp_path: Path):
     # Two configs, one point each, ten requests: TPOT 6 ms for disagg, 12 ms for colocated.
     def point(rate: float, gpus: int, tpot: float) -> dict:

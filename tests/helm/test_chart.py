@@ -49,6 +49,7 @@ def test_helm_lint_strict_passes(helm, name):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_core_objects_pass_kubernetes_validate_strict(rendered, tmp_path):
     core = [o for kind, objs in rendered.items() if kind not in ("RayService", "ServiceMonitor")
             for o in objs]
@@ -68,6 +69,7 @@ def test_core_objects_pass_kubernetes_validate_strict(rendered, tmp_path):
         assert done.returncode == 0 and "ERROR" not in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_rayservice_matches_kuberay_crd_with_unknown_fields_rejected(rendered):
     rayservice = only(rendered, "RayService")
     assert rayservice["apiVersion"] == "ray.io/v1"

@@ -46,6 +46,7 @@ def check_prefill(cached_and_new, block_size, num_heads, num_kv_heads, head_dim,
 
 # Contexts 1..100 are not multiples of the block size; block_n against block_size covers a
 # tile inside one block, a tile equal to it and tiles spanning 2 and 4 blocks.
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim,block_size,num_heads,num_kv_heads,block_n,num_splits", [
     (64, 16, 8, 2, 16, 3),     # GQA 4, several tiles per split
     (128, 32, 4, 4, 16, 2),    # MHA, tile inside a block
@@ -64,6 +65,7 @@ def test_decode_attention_matches_reference(head_dim, block_size, num_heads, num
 # kernel's lazy-rescale threshold within a tile, or only across several) or fall (slope < 0:
 # the first tile's max stands to the end).
 # An fp8 cache also widens p to float16 for P @ V, which the threshold keeps finite.
+@pytest.mark.slow
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("slope", [0.25, 1.0, -0.5])
@@ -115,6 +117,7 @@ def test_fp8_decode_takes_one_warp_programs_for_many_heads_or_long_contexts():
 
 # (cached prefix, new tokens) per sequence: a fresh prompt, chunks after cached prefixes
 # (block aligned and not), a one-token chunk, and chunks longer than one query tile.
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim,block_size,num_heads,num_kv_heads,block_m,block_n", [
     (64, 16, 4, 2, 16, 16),
     (128, 32, 4, 1, 16, 32),

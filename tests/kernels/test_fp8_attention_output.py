@@ -37,6 +37,7 @@ def assert_v_units(got8: torch.Tensor, values: torch.Tensor) -> None:
                      + ATTN_TOL * (1 + want.abs()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_kernel_writes_fp8_output_in_v_units(num_splits):
     seq_lens, heads, kv_heads, head_dim = [1, 37, 100, 70], 8, 2, 64
@@ -75,6 +76,7 @@ def test_an_fp8_output_without_an_fp8_cache_is_refused():
                          out=torch.empty(q.shape, dtype=FP8, device=DEVICE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cached,new", [([40, 7, 100, 0, 33], [1, 1, 1, 21, 9])])
 def test_backends_hand_the_fp8_o_projection_its_input_in_v_units(cached, new):
     """fp8_out: both backends give an Fp8Activation [T, heads * head_dim] with V's scale on

@@ -183,6 +183,7 @@ def test_a_cache_without_its_scales_is_refused():
         decode_attention(q, k8, v8, table, lens, 0.125, 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cached,new", [([40, 7, 100, 0, 33], [1, 1, 1, 21, 9]),
                                         ([0, 48], [30, 17])])
 def test_backends_store_and_attend_fp8_alike(cached, new):
@@ -255,6 +256,7 @@ def test_calibration_is_deterministic_and_gives_powers_of_two(tiny, fp8_llm):
     assert again.engine.kv_layout.kv_scales == layout.kv_scales
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_calibrate_the_same_scales(tiny, fp8_llm):
     """Two gloo ranks, each with one of the two KV heads: the max over the ranks, so the
     scales (and the tokens) are tp = 1's."""

@@ -57,6 +57,7 @@ def check_mla(seq_lens: list[int], block_size: int, num_heads: int, latent: int,
     torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 3])     # stage 1 writes `out` / stage 2 merges
 @pytest.mark.parametrize("num_heads", [16, 32])    # one and two head blocks
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -64,6 +65,7 @@ def test_mla_decode_matches_reference(block_size, num_heads, num_splits):
     check_mla(SEQ_LENS, block_size, num_heads, latent=64, rope=16, num_splits=num_splits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_lens,block_size,num_heads,knobs", [
     ([1], 16, 16, dict(num_splits=4)),                   # one position, trailing splits empty
     ([70, 5], 16, 24, dict(block_n=64, num_splits=2)),   # half a head block; tile = 4 blocks

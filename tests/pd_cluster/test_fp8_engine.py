@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 
 from pd_cluster import LLM, SamplingParams
 from tests.support.tiny_models import make_tiny_model
@@ -47,6 +48,7 @@ def test_tiny_model_with_fp8_weights_and_kv_follows_the_unquantized_engine(tiny_
     assert same >= AGREE_TINY * 64 and max(gaps) <= DLOGPROB_TINY
 
 
+@pytest.mark.slow
 def test_default_model_with_fp8_weights_and_kv_still_answers_paris(default_model_dir):
     fp8 = LLM(default_model_dir, kv_cache_memory_gb=0.25, **FP8)
     question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

@@ -84,6 +84,7 @@ def expected(tiny) -> dict[str, list[list[int]]]:
             for name, params in cases.items()}
 
 
+@pytest.mark.slow
 def test_every_case_changes_the_greedy_output(expected):
     """Otherwise the token-for-token tests below would prove nothing."""
     for name in CASES:

@@ -39,6 +39,7 @@ def _read_all(path: str, out) -> None:
     out.put("stopped")
 
 
+@pytest.mark.slow
 def test_a_reader_in_another_process_gets_every_step_in_order_then_stops():
     channel = StepChannel.create(readers=1, slot_bytes=SLOT_BYTES)
     ctx = mp.get_context("spawn")

@@ -20,6 +20,7 @@ NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, expert_parallel", [
     ("llama_gqa", False), ("qwen3_qknorm", False), ("mistral", False), ("qwen3_moe", False),
     ("qwen3_moe", True), ("mixtral", True)])
@@ -46,6 +47,7 @@ def test_tp2_greedy_matches_hf_with_chunking_prefix_sharing_and_preemption(famil
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_next_step_instead_of_hanging(tiny_model_root):
     model_dir = make_tiny_model("llama_gqa", tiny_model_root)
     llm = LLM(model_dir, block_size=4, num_kv_blocks=64, tensor_parallel_size=2)

@@ -19,6 +19,7 @@ from tests.support.api_fuzz import CHAT, COMPLETION, SEED, check, mutate, raw_ca
 MUTATIONS_PER_ENDPOINT = 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path, base", [("/v1/completions", COMPLETION),
                                         ("/v1/chat/completions", CHAT)])
 def test_mutated_requests_never_5xx_and_errors_keep_the_schema(tokenizer, path, base):  # noqa: F811

@@ -69,6 +69,7 @@ def test_router_exports_pd_spec_decode_metrics_per_replica():
     assert 'role="prefill"} ' not in text.split("pd_spec_decode_steps")[1].split("# HELP")[0]
 
 
+@pytest.mark.slow
 def test_usage_names_the_drafts_a_request_verified(default_model_dir):
     """The HTTP usage carries the request's draft counts (`spec_decode`) when its engine
     speculated, and stays OpenAI's own otherwise."""

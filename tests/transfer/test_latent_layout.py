@@ -70,6 +70,7 @@ def backend(request):
     return request.param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
 def test_transports_move_latent_blocks_between_any_degrees(backend, p_tp, d_tp):
     full = reference()

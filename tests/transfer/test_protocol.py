@@ -77,6 +77,7 @@ def test_unknown_or_missing_backend_says_what_to_do(monkeypatch) -> None:
         make_transport("nixl")
 
 
+@pytest.mark.slow
 def test_nixl_runs_from_the_cuda_12_build_alone_as_the_transfer_extra_installs_it() -> None:
     """`transfer` installs nixl-cu12 without the `nixl` meta-package: host-memory NIXL still
     moves blocks (an agent made and its memory registered)."""

@@ -80,6 +80,7 @@ def connected(backend: str, p_shards, d_shards):
     return p, d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["write", "read"])
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
 def test_every_destination_shard_gets_exactly_its_heads(backend, sharding, op) -> None:

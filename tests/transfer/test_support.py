@@ -1,11 +1,13 @@
 """The transfer tests' KV helpers (tests/support/kv.py): real K/V, laid out as the engine does."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.support.kv import model_kv, paged_kv, tiny_layout
 
 
+@pytest.mark.slow
 def test_model_kv_is_deterministic_and_fills_blocks() -> None:
     layout = tiny_layout()
     kv = model_kv(layout, 10, seed=1)

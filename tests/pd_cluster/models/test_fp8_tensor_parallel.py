@@ -88,6 +88,7 @@ def fp8_rank_outputs(tiny_model_root, fp8_checkpoints, tmp_path_factory) -> str:
     return out_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,load_format", TP_CASES)
 def test_two_fp8_ranks_give_the_logits_of_one(name, load_format, fp8_rank_outputs,
                                               tiny_model_root, fp8_checkpoints):

@@ -126,6 +126,7 @@ def greedy(model, cfg: ModelConfig, prompts: list[list[int]], steps: int,
 STEPS = 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2_bias"])
 def test_tiny_model_fp8_greedy_agrees_with_16bit_for_most_steps(family, tiny_model_root):
     """Same-prefix agreement: at each of 64 steps both models see the 16-bit model's greedy

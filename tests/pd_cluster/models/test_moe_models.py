@@ -61,6 +61,7 @@ def rank_outputs(tiny_model_root, tmp_path_factory) -> str:
     return out_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,mode", TP_CASES)
 def test_two_ranks_give_the_logits_of_one(family, mode, rank_outputs, tiny_model_root):
     expected = logits_of(make_tiny_model(family, tiny_model_root), mode.replace("-ep", ""))

@@ -44,6 +44,7 @@ def rank_outputs(tiny_model_root, tmp_path_factory) -> str:
     return out_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,load_format", CASES)
 def test_two_ranks_give_the_logits_of_one(family, load_format, rank_outputs, tiny_model_root):
     assert get_tp().size == 1, "this process must be outside any tensor-parallel group"

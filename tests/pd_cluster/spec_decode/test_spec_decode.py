@@ -19,6 +19,7 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
     assert propose_ngram([1, 2, 3], 3, 1, 3) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen3_qknorm"])
 def test_ngram_greedy_equals_plain_with_chunking_and_preemption(family, tiny_model_root):
     model_dir = loopy_model(family, tiny_model_root)
@@ -34,6 +35,7 @@ def test_ngram_greedy_equals_plain_with_chunking_and_preemption(family, tiny_mod
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.slow
 def test_async_scheduling_speculates_and_equals_plain(tiny_model_root):
     """Under async scheduling (the GPU default) a step is in flight when the next is
     planned: speculation collects it first, then proposes; the output is unchanged, stop
@@ -54,6 +56,7 @@ def test_async_scheduling_speculates_and_equals_plain(tiny_model_root):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.slow
 def test_rejected_drafts_leave_no_blocks_and_no_cached_hashes(tiny_model_root):
     """Between steps a speculating sequence holds no block past its tokens, and the
     prefix cache only ever indexes kept tokens: a prompt made of an earlier prompt + output
@@ -85,6 +88,7 @@ def test_rejected_drafts_leave_no_blocks_and_no_cached_hashes(tiny_model_root):
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in plain]
 
 
+@pytest.mark.slow
 def test_big_batch_and_low_acceptance_fall_back_to_plain_decoding(tiny_model_root):
     model_dir = make_tiny_model("llama_gqa", tiny_model_root)     # rarely repeats itself
     prompts = mixed_prompts()
@@ -100,6 +104,7 @@ def test_big_batch_and_low_acceptance_fall_back_to_plain_decoding(tiny_model_roo
         assert getattr(llm.engine.spec.stats, counter) > 0, counter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,draft_family", [("llama_gqa", "llama_gqa"),
                                                  ("qwen3_qknorm", "llama_tied")])
 def test_draft_model_greedy_equals_plain_with_chunking_and_preemption(family, draft_family,
@@ -125,6 +130,7 @@ def test_draft_model_greedy_equals_plain_with_chunking_and_preemption(family, dr
     assert llm.engine.spec.draft.kv.num_free_blocks == 64    # every mirror freed
 
 
+@pytest.mark.slow
 def test_stop_strings_end_a_speculative_step_where_plain_decoding_stops(default_model_dir):
     """A verification step emits several tokens; a stop string completed by one of them ends
     the output there (tokens, text and finish reason as without speculation)."""

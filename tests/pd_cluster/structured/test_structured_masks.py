@@ -45,6 +45,7 @@ def test_the_batched_fill_masks_exactly_the_cleared_bits():
     assert torch.equal(logits, expected)
 
 
+@pytest.mark.slow
 def test_a_choice_allows_only_prefixes_then_only_the_end(tokenizer, vocab):
     state = GrammarState.start(vocab, GrammarSpec.choice(["yes", "no"]))
     first = allowed(state, vocab.vocab_size)

@@ -92,6 +92,7 @@ def test_bad_profile_grid_is_a_clear_error(capsys):
     assert "comma-separated integers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_engine_is_profiled_and_recorded(tmp_path: Path, tiny_model_root):
     """`--tensor-parallel-size 2` measures a 2-rank engine (gloo on the CPU) and the file says
     so: `tune` then counts 2 GPUs per instance."""

@@ -47,6 +47,7 @@ def tune(profile: Path, out: Path, *args: str) -> list[dict]:
     return json.loads((out / "results.json").read_text())["results"]
 
 
+@pytest.mark.slow
 def test_prompt_heavy_with_loose_tpot_gets_more_prefill(h100_profile: Path, tmp_path: Path):
     # 25 ms TPOT is loose for a decode instance (10 ms steps) but not for a colocated engine,
     # whose steps with a 2048-token prefill chunk take ~90 ms.
@@ -61,6 +62,7 @@ def test_prompt_heavy_with_loose_tpot_gets_more_prefill(h100_profile: Path, tmp_
     assert f"prefill:\n  replicas: {best['num_prefill']}" in helm
 
 
+@pytest.mark.slow
 def test_output_heavy_gets_more_decode(h100_profile: Path, tmp_path: Path):
     # Among disaggregated deployments. With outputs 4x the prompts, colocated engines win
     # under this profile (prefill is a small share of their steps), so they are left out.
@@ -72,6 +74,7 @@ def test_output_heavy_gets_more_decode(h100_profile: Path, tmp_path: Path):
     assert all(r["num_prefill"] >= 1 for r in results)
 
 
+@pytest.mark.slow
 def test_tiny_load_gets_one_colocated_engine_and_a_png_chart(h100_profile: Path,
                                                                tmp_path: Path):
     results = tune(h100_profile, tmp_path, "--rate", "0.2", "--input-len", "512",
@@ -89,6 +92,7 @@ def test_tiny_load_gets_one_colocated_engine_and_a_png_chart(h100_profile: Path,
     assert "colocated x1" in (tmp_path / "table.txt").read_text()
 
 
+@pytest.mark.slow
 def test_without_matplotlib_tune_writes_all_but_the_chart_and_names_the_extra(
         h100_profile: Path, tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # import fails, as uninstalled
@@ -217,6 +221,7 @@ def test_old_profile_files_load_without_an_overhead(tmp_path: Path):
     assert again.overhead_time(2048) == pytest.approx(0.04)
 
 
+@pytest.mark.slow
 def test_tune_adds_the_serving_overhead_to_ttft_only(h100_profile: Path, tmp_path: Path,
                                                       capsys):
     profile = Profile.load(h100_profile)
@@ -264,6 +269,7 @@ def test_an_overhead_measured_under_load_is_drawn_per_request_from_its_quantiles
         profile.serving_overhead.describe()
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_profile_counts_its_gpus_per_instance(h100_profile: Path,
                                                                  tmp_path: Path):
     """A profile of a TP=2 engine: every candidate's instances take 2 GPUs, so a budget of 5
@@ -283,6 +289,7 @@ def test_a_tensor_parallel_profile_counts_its_gpus_per_instance(h100_profile: Pa
     assert "TP2" in (tmp_path / "out" / "table.txt").read_text()
 
 
+@pytest.mark.slow
 def test_planner_replay_of_a_shifting_mix_beats_the_best_fixed_pools(h100_profile: Path,
                                                                    tmp_path: Path, capsys):
     """Decode-heavy then prompt-heavy at 30 req/s on 8 GPUs: the planner moves the pools
