@@ -17,11 +17,9 @@ OWN_RAY = "own_ray"
 RAY_FIXTURES = ("ray_cluster", OWN_RAY, SHARED_SERVER, SHARED_SERVER_LATER)
 
 
-@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _run_server_tests_last(items)
     _mark_ray_and_server_tests_slow(items)
-    _group_for_workers(items)
     _skip_gpu_tests_without_cuda(items)
 
 
@@ -51,18 +49,6 @@ def _mark_ray_and_server_tests_slow(items: list[pytest.Item]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         if item.get_closest_marker("serve") or any(f in fixtures for f in RAY_FIXTURES):
             item.add_marker(pytest.mark.slow)
-
-
-def _group_for_workers(items: list[pytest.Item]) -> None:
-    """The units that pytest-xdist (`--dist loadgroup`, pyproject.toml) hands to its workers:
-    a module whole, so that its module fixtures (a Ray, a server, engines) start once, and
-    every test on `default_server` in one unit, so that it starts once. Ignored without
-    xdist."""
-    for item in items:
-        fixtures = getattr(item, "fixturenames", ())
-        shared = SHARED_SERVER in fixtures or SHARED_SERVER_LATER in fixtures
-        item.add_marker(pytest.mark.xdist_group(
-            SHARED_SERVER if shared else item.nodeid.split("::")[0]))
 
 
 def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
