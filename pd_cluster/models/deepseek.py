@@ -24,10 +24,9 @@ from torch import nn
 
 from pd_cluster.config import ModelConfig
 from pd_cluster.distributed import check_tp, get_tp
-from pd_cluster.forward_context import ForwardContext
 from pd_cluster.models.deepseek_moe import DeepseekMoE
 from pd_cluster.models.deepseek_rope import DeepseekRotary
-from pd_cluster.models.layers import GatedMLP, RMSNorm
+from pd_cluster.models.layers import CausalLM, GatedMLP, RMSNorm
 from pd_cluster.models.mla import MLAttention
 from pd_cluster.models.moe import map_expert_name
 from pd_cluster.models.parallel import (ParallelLMHead, VocabParallelEmbedding,
@@ -58,7 +57,7 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLM):
     """Both DeepSeek architectures (module docstring); the Llama model's interface:
     forward, compute_logits, load_weights, kv_scales (always None: no fp8 latent cache)."""
 
@@ -79,21 +78,6 @@ class DeepseekForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.kv_scales = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rope, ctx)
-            if ctx.on_layer_done is not None:
-                ctx.on_layer_done(i)
-        x, _ = self.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> fp32 logits [S, vocab_size], the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (this rank's slice of each); raises if a parameter is

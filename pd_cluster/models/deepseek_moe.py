@@ -19,8 +19,6 @@ sum, which the next RMSNorm reduces.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +26,7 @@ from torch import nn
 from pd_cluster.config import ModelConfig
 from pd_cluster.models.deepseek_config import GroupedRouting
 from pd_cluster.models.layers import GatedMLP
-from pd_cluster.models.moe import COUNT_ROUTED, Experts, SparseMoE
+from pd_cluster.models.moe import SparseMoE
 from pd_cluster.models.parallel import _parameter
 
 
@@ -83,24 +81,16 @@ class DeepseekMoE(SparseMoE):
     bench/tp_bench.py reads)."""
 
     def __init__(self, cfg: ModelConfig, expert_parallel: bool = False):
-        nn.Module.__init__(self)        # SparseMoE's router is not DeepSeek's
         routing = cfg.routing
-        self.gate = GroupedRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                                  cfg.norm_topk_prob, routing)
-        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                               expert_parallel)
+        super().__init__(cfg, expert_parallel,
+                         GroupedRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                       cfg.norm_topk_prob, routing))
         self.shared_experts = None
         if routing.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size,
                                            cfg.moe_intermediate_size * routing.n_shared_experts,
                                            reduce_results=False)
-        counting = os.environ.get(COUNT_ROUTED) == "1"
-        self.register_buffer("routed", torch.zeros(cfg.num_experts + 1, dtype=torch.int64)
-                             if counting else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
-        if self.routed is not None:
-            self._count(topk_ids)
-        out = self.experts(x, topk_weights, topk_ids)
+        out = super().forward(x)
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -102,3 +102,25 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (summed over the ranks, unless reduce_results=False)."""
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), self.down_proj.fp8))
+
+
+class CausalLM(nn.Module):
+    """What every model's top module shares: the layer loop and the logits. A subclass builds
+    `embed_tokens`, `layers` (each called as layer(x, residual, positions, rope, ctx) ->
+    (x, residual)), `rope`, `norm` and `lm_head`."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]; `ctx` the step's
+        ForwardContext."""
+        x, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.rope, ctx)
+            if ctx.on_layer_done is not None:
+                ctx.on_layer_done(i)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> fp32 logits [S, vocab_size], the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden).float()

@@ -29,7 +29,7 @@ from pd_cluster.config import ModelConfig
 from pd_cluster.distributed import check_tp, get_tp
 from pd_cluster.forward_context import ForwardContext
 from pd_cluster.models.fp8 import Fp8Activation
-from pd_cluster.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pd_cluster.models.layers import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
 from pd_cluster.models.moe import SparseMoE, map_expert_name
 from pd_cluster.models.parallel import (ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, default_weight_loader)
@@ -99,7 +99,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     # HF name fragment -> (our packed parameter, shard index)
     PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -127,21 +127,6 @@ class LlamaForCausalLM(nn.Module):
         # factors that turn FP8 K and V back into values (k ~ k8 * k_scale), or None for a
         # layer without both; None when the checkpoint has none (and for dummy weights).
         self.kv_scales: list[tuple[float, float] | None] | None = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rope, ctx)
-            if ctx.on_layer_done is not None:
-                ctx.on_layer_done(i)
-        x, _ = self.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> fp32 logits [S, vocab_size], the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (this rank's slice of each); raises if a model parameter

@@ -149,10 +149,13 @@ class SparseMoE(nn.Module):
     """The MLP of a sparse layer: x [T, hidden] -> this rank's partial sum [T, hidden] (the
     next RMSNorm sums the ranks'; at tp = 1 it is the whole output)."""
 
-    def __init__(self, cfg: ModelConfig, expert_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, expert_parallel: bool = False,
+                 gate: nn.Module | None = None):
+        """`gate` another router (x -> (topk_weights, topk_ids)), e.g. DeepSeek's grouped one;
+        Router by default."""
         super().__init__()
-        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob)
+        self.gate = gate or Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                   cfg.norm_topk_prob)
         self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                expert_parallel)
         # [E + 1] int64 when counting (module docstring): routed[e] the forwards in which some
