@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.support.launch_checks import strict_launches  # noqa: E402
+from tests.support.launch_checks import assert_mixed_prompts_never_wait  # noqa: E402
 from pd_cluster import LLM, SamplingParams  # noqa: E402
 from pd_cluster.distributed import get_tp  # noqa: E402
 from tests.support.tiny_models import make_tiny_model, mixed_prompts  # noqa: E402
@@ -42,11 +42,6 @@ def test_tp2_launching_a_step_never_waits_for_the_device(tiny_model_root):
               tensor_parallel_size=2, max_num_batched_tokens=64, max_model_len=512)
     try:
         engine = llm.engine
-        launches = strict_launches(engine)
-        for p in mixed_prompts():
-            engine.add_request(p, GREEDY)
-        while engine.has_unfinished():
-            engine.step()
-        assert len(launches) > 24 and engine.kv.num_free_blocks == engine.kv.num_blocks
+        assert_mixed_prompts_never_wait(engine, GREEDY)
     finally:
         llm.close()

@@ -19,3 +19,16 @@ def strict_launches(engine) -> list:
 
     engine.runner.execute = strict_execute
     return launches
+
+
+def assert_mixed_prompts_never_wait(engine, params) -> None:
+    """The mixed prompts (tiny_models.mixed_prompts) run to the end with every step launched
+    without a host sync (more than 24 launches), and every KV block free afterwards."""
+    from tests.support.tiny_models import mixed_prompts
+
+    launches = strict_launches(engine)
+    for p in mixed_prompts():
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(launches) > 24 and engine.kv.num_free_blocks == engine.kv.num_blocks

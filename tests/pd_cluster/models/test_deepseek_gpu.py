@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from pd_cluster import LLM, SamplingParams  # noqa: E402
 from pd_cluster.models.moe import COUNT_ROUTED, routed_counts  # noqa: E402
-from tests.support.launch_checks import strict_launches  # noqa: E402
+from tests.support.launch_checks import assert_mixed_prompts_never_wait  # noqa: E402
 from tests.support.tiny_deepseek import DEEPSEEK, make_tiny_deepseek  # noqa: E402
 from tests.support.tiny_models import mixed_prompts  # noqa: E402
 
@@ -45,12 +45,7 @@ def test_launching_a_deepseek_step_never_waits_for_the_device(tiny_model_root):
     llm = LLM(make_tiny_deepseek("deepseek_v2", tiny_model_root), dtype="bfloat16",
               device="cuda", max_num_batched_tokens=64, max_model_len=512)
     engine = llm.engine
-    launches = strict_launches(engine)
-    for p in mixed_prompts():
-        engine.add_request(p, GREEDY)
-    while engine.has_unfinished():
-        engine.step()
-    assert len(launches) > 24 and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert_mixed_prompts_never_wait(engine, GREEDY)
 
 
 def test_deepseek_routed_counters_count_inside_the_graphs(tiny_model_root, monkeypatch):
