@@ -12,7 +12,7 @@ router deployment's replica count or Serve autoscaling. `planner:` configures th
 planner: `config.planner_settings()` is its policy's PlannerSettings, and `most_replicas(role)`
 / `most_engine_replicas()` how many engine replicas may exist at once, planner or not. This
 module imports neither Ray nor torch, so it is cheap to test. The sections with no say in
-the others (kv_pool, limits, routing, router autoscaling, planner) are declared in
+the others (kv_pool, kv_tiers, limits, routing, router autoscaling, planner) are declared in
 router/app_sections.py.
 """
 from __future__ import annotations
@@ -28,8 +28,9 @@ from pd_cluster.config import STRICT_MODEL_CONFIG, EngineConfig
 from pd_cluster.config_errors import validate_config
 from pd_cluster.planner import PlannerSettings
 from pd_cluster.role import Role
-from router.app_sections import (ROUTING_POLICIES, KVPoolConfig, Limits,  # noqa: F401
-                                 PlannerConfig, RouterAutoscaling, Routing)
+from router.app_sections import (ROUTING_POLICIES, KVPoolConfig,  # noqa: F401
+                                 KVTiersConfig, Limits, PlannerConfig, RouterAutoscaling,
+                                 Routing)
 
 AUTO = "auto"
 # Share of its role's custom resource (named by the Role's value) that one replica asks for. A
@@ -114,6 +115,9 @@ class AppConfig(BaseModel):
         "count"))
     kv_pool: KVPoolConfig = Field(default_factory=KVPoolConfig, description=(
         "the KV pool of pooled mode: capacity, placement, the same-node fast path"))
+    kv_tiers: KVTiersConfig = Field(default_factory=KVTiersConfig, description=(
+        "the KV cache hierarchy: evicted prefix blocks kept in host memory and on disk, "
+        "loaded back instead of recomputed (off by default)"))
     planner: PlannerConfig = Field(default_factory=PlannerConfig, description=(
         "the elastic P:D planner, which resizes and flips the tiers to meet TTFT / TPOT SLOs "
         "within a GPU budget (off by default)"))

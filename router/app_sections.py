@@ -1,5 +1,5 @@
 """Sections of the application's `args` (router/app_config.py's AppConfig) that stand on their
-own: the KV pool, the router's limits and routing, the router deployment's autoscaling, and the
+own: the KV pool, the KV cache tiers, the router's limits and routing, the router deployment's autoscaling, and the
 elastic P:D planner. Each field is declared once, with its type, bounds, default and description.
 """
 from __future__ import annotations
@@ -41,6 +41,46 @@ class KVPoolConfig(BaseModel):
         if self.capacity_blocks is not None and self.capacity_bytes is not None:
             raise ValueError("set capacity_blocks or capacity_bytes, not both")
         return self
+
+
+class KVTiersConfig(BaseModel):
+    """The KV cache hierarchy below each engine's GPU cache (docs/kv_tiers.md): prefix blocks an
+    engine evicts go to its node's host-memory tier (a per-node KV pool in shared memory, in
+    every mode) and from there to a disk tier; a prefix found there is loaded back instead of
+    recomputed when loading costs less than prefilling it."""
+
+    model_config = STRICT_MODEL_CONFIG
+
+    enabled: bool = Field(False, description=(
+        "keep evicted prefix blocks in host memory (and on disk with disk_path) and load them "
+        "back; false: an evicted block is gone"))
+    host_bytes: int = Field(4 * 2**30, ge=1, description=(
+        "host memory of each node's host tier in bytes (whole blocks of the engines' layout; "
+        "at least one block)"))
+    disk_path: str | None = Field(None, min_length=1, description=(
+        "directory of each node's disk tier (created if missing; one subdirectory per node); "
+        "null: no disk tier"))
+    disk_bytes: int = Field(64 * 2**30, ge=1, description=(
+        "bytes of block files each node's disk tier keeps (least recently used removed first)"))
+    host_gbps: float = Field(8.0, gt=0, description=(
+        "bandwidth (GB/s) the cost rule assumes for a host-tier load until it has measured one"))
+    disk_gbps: float = Field(1.0, gt=0, description=(
+        "bandwidth (GB/s) the cost rule assumes for a disk-tier load until it has measured one"))
+    prefill_tokens_per_s: float | None = Field(None, gt=0, description=(
+        "prefill rate the cost rule compares a load with; null: measured from the engine's "
+        "own prefill steps"))
+    min_load_tokens: int = Field(0, ge=0, description=(
+        "a cached prefix shorter than this is always recomputed"))
+
+    @field_validator("disk_path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        # A relative path would resolve against each pool actor's working directory, which
+        # Ray chooses; the same absolute path on every node says where the files go.
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"{value!r} must be an absolute path (each node's disk tier "
+                             "lives under it)")
+        return value
 
 
 class Limits(BaseModel):
