@@ -67,7 +67,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- range $key := list "mode" "transport" "conditionalDisaggThreshold" "prefillFailurePolicy" -}}
 {{- if hasKey $v $key }}{{ $_ := set $args (snakecase $key) (index $v $key) }}{{ end -}}
 {{- end -}}
-{{- range $key := list "engine" "limits" "routing" "planner" "kvPool" -}}
+{{- range $key := list "engine" "limits" "routing" "planner" "kvPool" "kvTiers" -}}
 {{- $_ := set $args (snakecase $key) (include "pd-cluster.snakeKeys" (index $v $key) | fromYaml) -}}
 {{- end -}}
 {{- if $v.engine.speculative -}}
@@ -325,6 +325,10 @@ spec:
         {{- if $root.Values.rdma.enabled }}{{ $_ := set $extra $root.Values.rdma.resourceName (int $root.Values.rdma.count) }}{{ end -}}
         {{- range $kind := list "requests" "limits" -}}
         {{- $_ := set $res $kind (merge (default dict (index $res $kind)) $extra) -}}
+        {{- $memory := index (index $res $kind) "memory" -}}
+        {{- if and $root.Values.kvTiers.enabled (not (kindIs "invalid" $memory)) -}}
+        {{- $_ := set (index $res $kind) "memory" (include "pd-cluster.plusHostTier" (dict "root" $root "quantity" $memory)) -}}
+        {{- end -}}
         {{- end -}}
         {{- end }}
         {{- toYaml $res | nindent 8 }}
@@ -339,8 +343,31 @@ spec:
     - {name: cache, emptyDir: {}}
     {{- if .engine }}
     - name: dshm
-      emptyDir: {medium: Memory, sizeLimit: {{ $group.shmSize }}}
+      emptyDir: {medium: Memory, sizeLimit: {{ ternary (include "pd-cluster.plusHostTier" (dict "root" $root "quantity" $group.shmSize)) $group.shmSize (and $root.Values.kvTiers.enabled true) }}}
     {{- end }}
+{{- end -}}
+
+{{/* Bytes of a Kubernetes quantity ("64Gi", "500M", "1.5Gi", 68719476736), an integer. */}}
+{{- define "pd-cluster.bytes" -}}
+{{- if kindIs "string" . -}}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" . -}}
+{{- $unit := trimPrefix $number . -}}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- if or (not $number) (not (hasKey $units $unit)) -}}
+{{- fail (printf "cannot read %q as a memory size (e.g. 64Gi, 500M, 1073741824)" .) -}}
+{{- end -}}
+{{- mulf $number (index $units $unit) | ceil | int64 -}}
+{{- else -}}
+{{- int64 . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A memory quantity of an engine pod plus the host tier of kvTiers (one per Ray node, so
+     one per pod, in /dev/shm, which counts as the pod's memory), in Mi rounded up. Args:
+     root, quantity. */}}
+{{- define "pd-cluster.plusHostTier" -}}
+{{- $bytes := add (include "pd-cluster.bytes" .quantity | int64) (int64 .root.Values.kvTiers.hostBytes) -}}
+{{- printf "%dMi" (div (add $bytes 1048575) 1048576) -}}
 {{- end -}}
 
 {{/* KubeRay's rayStartParams value for custom resources: a shell-quoted JSON object. */}}

@@ -65,8 +65,8 @@ HEADER: Schema = {
     "title": "pd-cluster chart values",
     "type": "object",
     "additionalProperties": False,
-    "required": ["mode", "transport", "image", "engine", "limits", "kvPool", "routing", "router",
-                 "planner", "head", "prefill", "decode"],
+    "required": ["mode", "transport", "image", "engine", "limits", "kvPool", "kvTiers", "routing",
+                 "router", "planner", "head", "prefill", "decode"],
 }
 
 PROPERTIES: Schema = {

@@ -186,6 +186,9 @@ def test_every_value_reaches_the_arg_of_the_same_path(tmp_path):
                           "maxDecode": 5, "intervalS": 10, "cooldownS": 45,
                           "calmIntervals": 2, "headroom": 0.25, "drainTimeoutS": 90,
                           "profile": "/opt/profiles/h100.json"},
+              "kvTiers": {"enabled": True, "hostBytes": 3 * 2**30, "diskPath": "/mnt/kv",
+                          "diskBytes": 2**40, "hostGbps": 12.5, "diskGbps": 2.5,
+                          "prefillTokensPerS": 30000.0, "minLoadTokens": 32},
               "conditionalDisaggThreshold": 100, "prefillFailurePolicy": "fail"}
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
     config = AppConfig.from_args(rendered_args("-f", str(tmp_path / "values.yaml")))
@@ -197,7 +200,7 @@ def test_every_value_reaches_the_arg_of_the_same_path(tmp_path):
             continue
         assert lookup(config, path) == value, ".".join(path)
         reached.add(path)
-    assert {p for p in EXPOSED if p[0] in ("router_autoscaling", "planner")} <= reached
+    assert {p for p in EXPOSED if p[0] in ("router_autoscaling", "planner", "kv_tiers")} <= reached
 
 
 def test_the_charts_planner_values_default_to_the_trees_defaults_once_enabled():
