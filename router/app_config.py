@@ -31,6 +31,7 @@ from pd_cluster.role import Role
 from router.app_sections import (ROUTING_POLICIES, KVPoolConfig,  # noqa: F401
                                  KVTiersConfig, Limits, PlannerConfig, RouterAutoscaling,
                                  Routing)
+from router.app_sections import TracingConfig
 
 AUTO = "auto"
 # Share of its role's custom resource (named by the Role's value) that one replica asks for. A
@@ -121,6 +122,9 @@ class AppConfig(BaseModel):
     planner: PlannerConfig = Field(default_factory=PlannerConfig, description=(
         "the elastic P:D planner, which resizes and flips the tiers to meet TTFT / TPOT SLOs "
         "within a GPU budget (off by default)"))
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description=(
+        "OpenTelemetry traces of requests: an OTLP/HTTP endpoint and / or a span file, the "
+        "sampling ratio (off by default)"))
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> AppConfig:

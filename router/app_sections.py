@@ -188,3 +188,47 @@ class PlannerConfig(BaseModel):
     profile: str | None = Field(None, min_length=1, description=(
         "a `pd-cluster profile` JSON file (path on the controller's node): removals are "
         "vetted by predicting the smaller tiers on the interval's load; null: not vetted"))
+
+
+class TracingConfig(BaseModel):
+    """OpenTelemetry traces of requests (router/tracing.py): one trace per HTTP request, its
+    spans built in the router from the router's and the engine actors' own stamps. Off by
+    default, and then free: no span object is made and no per-token work is done."""
+
+    model_config = STRICT_MODEL_CONFIG
+
+    enabled: bool = Field(False, description=(
+        "trace requests; false: no tracing work at all"))
+    endpoint: str | None = Field(None, min_length=1, description=(
+        "OTLP/HTTP traces URL of a collector (Jaeger, Tempo, the OpenTelemetry Collector), "
+        "e.g. http://otel-collector:4318/v1/traces; null: none"))
+    file: str | None = Field(None, min_length=1, description=(
+        "absolute path on each router replica's node to append finished spans to, one JSON "
+        "object a line, for `pd-cluster trace` (Perfetto / Chrome trace JSON); null: none"))
+    sampling_ratio: float = Field(1.0, ge=0, le=1, description=(
+        "share of requests traced that come without a sampled W3C traceparent (a client's "
+        "sampled traceparent is always honoured)"))
+    service_name: str = Field("pd-cluster", min_length=1, description=(
+        "the traces' service.name"))
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r} must be an http:// or https:// URL (OTLP over HTTP)")
+        return value
+
+    @field_validator("file")
+    @classmethod
+    def _absolute_file(cls, value: str | None) -> str | None:
+        # A relative path would resolve against the router replica's working directory,
+        # which Ray chooses.
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"{value!r} must be an absolute path")
+        return value
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> TracingConfig:
+        if self.enabled and self.endpoint is None and self.file is None:
+            raise ValueError("enabled needs an endpoint or a file to send the spans to")
+        return self

@@ -73,6 +73,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $v.engine.speculative -}}
 {{- $_ := set $args.engine "speculative" (include "pd-cluster.snakeKeys" $v.engine.speculative | fromYaml) -}}
 {{- end -}}
+{{- $_ := set $args "tracing" (include "pd-cluster.snakeKeys" $v.tracing | fromYaml) -}}
 {{- if ne $v.mode "colocated" -}}
 {{- $_ := set $args "num_prefill" (int $v.prefill.replicas) -}}
 {{- $_ := set $args "prefill_resources" (include "pd-cluster.replicaResources" (dict "root" . "role" "prefill") | fromYaml) -}}
