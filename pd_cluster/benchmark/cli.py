@@ -20,12 +20,26 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", help="input length distribution in tokens (default 512), "
                    "e.g. 32, uniform:100:1024, normal:512:128")
     p.add_argument("--output-len", help="output length distribution (default 128)")
-    p.add_argument("-n", "--num-requests", type=int, default=100)
+    p.add_argument("-n", "--num-requests", type=int, help="requests to send (default 100)")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--rate", type=float, help="requests/s (inf: all at once); default 1")
-    load.add_argument("--concurrency", type=int, help="requests in flight, back to back")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of arrival gaps; 1 = Poisson, < 1 burstier")
+    load.add_argument("--rate", type=float, help="requests/s (inf: all at once); default 1; "
+                      "with --multi-turn new conversations/s")
+    load.add_argument("--concurrency", type=int, help="requests in flight, back to back; "
+                      "with --multi-turn conversations in progress")
+    p.add_argument("--burstiness", type=float, help="gamma shape of arrival gaps; 1 (the "
+                   "default) = Poisson, < 1 burstier")
+    turns = p.add_argument_group("multi-turn conversations (pd_cluster/benchmark/multiturn.py)")
+    turns.add_argument("--multi-turn", action="store_true",
+                       help="conversations sharing a system prompt, each turn re-sending the "
+                       "context so far plus a new message; --output-len is each answer's "
+                       "length (an integer); reported per turn, with the tokens cached")
+    turns.add_argument("--conversations", type=int, default=32, help="conversations in all")
+    turns.add_argument("--turns", type=int, default=4, help="turns of each conversation")
+    turns.add_argument("--system-prompt-tokens", type=int, default=512,
+                       help="the shared system prompt's length")
+    turns.add_argument("--user-tokens", type=int, default=64, help="each user message's length")
+    turns.add_argument("--think-time", default="1s", help="mean pause between an answer and "
+                       "the next message (exponential), e.g. 2s, 500ms, 0")
     p.add_argument("--ttft-slo", default="1s", help="goodput's TTFT objective, e.g. 500ms")
     p.add_argument("--tpot-slo", default="100ms", help="goodput's TPOT objective, e.g. 50ms")
     p.add_argument("--slo-percentile", default="p90", help="reported with the SLOs")
@@ -39,6 +53,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.multi_turn:
+        return _bench_multi_turn(args)
     from pd_cluster.benchmark.client import Endpoint
     from pd_cluster.benchmark.loadgen import LoadSettings, check_load, run_load
     from pd_cluster.benchmark.metrics import format_summary, summarize
@@ -48,12 +64,11 @@ def _bench(args: argparse.Namespace) -> int:
     workload = Workload.from_args(args.workload, args.input_len, args.output_len)
     slo = SLO.parse(args.ttft_slo, args.tpot_slo, args.slo_percentile)
     rate = 1.0 if args.rate is None and args.concurrency is None else args.rate
-    load = LoadSettings(args.num_requests, rate, args.concurrency, args.burstiness,
+    load = LoadSettings(args.num_requests or 100, rate, args.concurrency,
+                        1.0 if args.burstiness is None else args.burstiness,
                         args.timeout, args.max_duration, args.seed)
     check_load(load)
-    base = args.base_url.rstrip("/")
-    base = base if base.endswith("/v1") else f"{base}/v1"
-    model = args.model or asyncio.run(_first_model(base, args.api_key))
+    base, model = _base_and_model(args)
     endpoint = Endpoint(base, model, args.api_key, args.chat)
     records, duration, t0 = asyncio.run(run_load(endpoint, workload, load, not args.quiet))
     report = summarize(records, duration, slo)
@@ -67,6 +82,62 @@ def _bench(args: argparse.Namespace) -> int:
             json.dump(report, f, indent=1)
         print(f"wrote {args.output}")
     return 0 if report["completed"] else 1
+
+
+def _bench_multi_turn(args: argparse.Namespace) -> int:
+    """`--multi-turn`: the conversations of multiturn.py; the summary, a per-turn table, and
+    with -o the JSON report (-o -: to stdout, the summary then to stderr)."""
+    import sys
+
+    from pd_cluster.benchmark import multiturn
+    from pd_cluster.benchmark.client import Endpoint
+    from pd_cluster.benchmark.metrics import format_summary
+    from pd_cluster.tuning.slo import SLO, parse_duration
+
+    for flag, given in (("--workload", args.workload), ("--input-len", args.input_len),
+                        ("-n", args.num_requests), ("--burstiness", args.burstiness)):
+        if given is not None:
+            raise ValueError(f"{flag} does not apply to --multi-turn (its prompts are the "
+                             "conversations': --system-prompt-tokens, --user-tokens, --turns)")
+    output = args.output_len or "128"
+    if not output.strip().isdigit():
+        raise ValueError(f"--output-len: --multi-turn takes one length in tokens, got {output!r}")
+    think = 0.0 if args.think_time.strip() in ("0", "0s", "0ms") else \
+        parse_duration(args.think_time, "--think-time")
+    concurrency = args.concurrency
+    if args.rate is None and concurrency is None:
+        concurrency = 8
+    settings = multiturn.MultiTurnSettings(args.conversations, args.turns, args.system_prompt_tokens,
+                                 args.user_tokens, int(output), think, concurrency, args.rate,
+                                 args.timeout, args.max_duration, args.seed)
+    settings.check()
+    slo = SLO.parse(args.ttft_slo, args.tpot_slo, args.slo_percentile)
+    base, model = _base_and_model(args)
+    endpoint = Endpoint(base, model, args.api_key, args.chat)
+    turns, duration, t0 = asyncio.run(multiturn.run_conversations(endpoint, settings, not args.quiet))
+    result = multiturn.report(turns, duration, slo, settings)
+    result["config"] = {"base_url": base, "model": model, "chat": args.chat,
+                        **asdict(settings)}
+    shown = sys.stderr if args.output == "-" else sys.stdout
+    print(format_summary(result), file=shown)
+    print(multiturn.format_turns(result["per_turn"]), file=shown)
+    if args.output:
+        result["records"] = multiturn.records_json(turns)
+        result["records_clock_origin"] = t0
+        text = json.dumps(result, indent=1)
+        if args.output == "-":
+            print(text)
+        else:
+            with open(args.output, "w") as f:
+                f.write(text)
+            print(f"wrote {args.output}")
+    return 0 if result["completed"] else 1
+
+
+def _base_and_model(args: argparse.Namespace) -> tuple[str, str]:
+    base = args.base_url.rstrip("/")
+    base = base if base.endswith("/v1") else f"{base}/v1"
+    return base, args.model or asyncio.run(_first_model(base, args.api_key))
 
 
 async def _first_model(base: str, api_key: str | None) -> str:

@@ -37,6 +37,8 @@ class RequestRecord:
     met_slo: bool = False
     response_id: str = ""               # the server's id for it (joins server-side stamps)
     engine_ttft: float | None = None    # the engine's share of the TTFT, when the server says
+    cached_tokens: int | None = None    # prompt tokens served from a cache (usage's
+                                        # prompt_tokens_details.cached_tokens), if reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,25 +57,31 @@ class Endpoint:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def body(self, prompt: str, max_tokens: int) -> dict:
+    def body(self, prompt: str | list[dict], max_tokens: int) -> dict:
+        """A prompt is text, or for chat the whole list of messages (a multi-turn
+        conversation); text for chat is one user message."""
         body = {"model": self.model, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0.0,
                 # vLLM's extension, which OpenAI-compatible servers for benchmarks accept:
                 # generate exactly max_tokens, so output lengths follow the workload.
                 "ignore_eos": True}
         if self.chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
+            body["messages"] = ([{"role": "user", "content": prompt}]
+                                if isinstance(prompt, str) else prompt)
         else:
             body["prompt"] = prompt
         return body
 
 
 async def send(session: aiohttp.ClientSession, endpoint: Endpoint, record: RequestRecord,
-               prompt: str, t0: float, timeout: float) -> RequestRecord:
-    """Stream one request and fill `record`; errors and timeouts are recorded, not raised."""
+               prompt: str | list[dict], t0: float, timeout: float,
+               text: list[str] | None = None) -> RequestRecord:
+    """Stream one request and fill `record`; errors and timeouts are recorded, not raised.
+    The streamed text's pieces are appended to `text` when given (a multi-turn conversation
+    sends the answer back in its next turn)."""
     record.start = time.perf_counter() - t0
     try:
-        await asyncio.wait_for(_stream(session, endpoint, record, prompt), timeout)
+        await asyncio.wait_for(_stream(session, endpoint, record, prompt, text), timeout)
         record.ok = record.ttft is not None
         if not record.ok:
             record.error = NO_TEXT
@@ -85,7 +93,7 @@ async def send(session: aiohttp.ClientSession, endpoint: Endpoint, record: Reque
 
 
 async def _stream(session: aiohttp.ClientSession, endpoint: Endpoint, record: RequestRecord,
-                  prompt: str) -> None:
+                  prompt: str | list[dict], text: list[str] | None) -> None:
     start = time.perf_counter()
     last, chunks = None, 0
     async with session.post(endpoint.url, json=endpoint.body(prompt, record.output_len),
@@ -103,7 +111,12 @@ async def _stream(session: aiohttp.ClientSession, endpoint: Endpoint, record: Re
                 record.engine_ttft = data.get("engine_ttft_s")    # pd-cluster's extension
                 record.prompt_tokens = data["usage"].get("prompt_tokens")
                 record.output_tokens = data["usage"].get("completion_tokens") or 0
-            if _text(data, endpoint.chat):
+                details = data["usage"].get("prompt_tokens_details") or {}
+                record.cached_tokens = details.get("cached_tokens")
+            piece = _text(data, endpoint.chat)
+            if piece:
+                if text is not None:
+                    text.append(piece)
                 chunks += 1
                 if last is None:
                     record.ttft = now - start
