@@ -35,7 +35,7 @@ from typing import Protocol, runtime_checkable
 
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff, KVReceiver, opened
-from actors.messages import KVDestination, PrefillResult, after_first_token
+from actors.messages import DecodeTimes, KVDestination, PrefillResult, after_first_token
 from actors.outbox import Outbox
 from actors.subscribers import Subscribers
 from pd_cluster.outputs import RequestOutput
@@ -111,10 +111,11 @@ class DecodeSide:
         self.host.loop.abort(request_id)
 
     async def decode(self, request_id: str, result: PrefillResult, sub: str,
-                     first_sent: bool) -> None:
+                     first_sent: bool) -> DecodeTimes:
         """Once the prompt KV from `result` is in the reserved blocks, continue the request
         with its first token; its outputs go to `sub`'s stream, after the first token when
-        `first_sent` (the caller has it from P). Raises if the KV did not arrive."""
+        `first_sent` (the caller has it from P). Raises if the KV did not arrive. Returns
+        when it was called and when the KV had landed (a request trace's landing)."""
         host = self.host
         lease, dest = self._leases.pop(request_id, None), self._dests.pop(request_id, None)
         if lease is None:
@@ -126,10 +127,12 @@ class DecodeSide:
         except BaseException:
             self._drop_reservation(request_id)
             raise
-        self.stages.append((request_id, called, time.monotonic()))
+        landed = time.monotonic()
+        self.stages.append((request_id, called, landed))
         host.subscribers.done(request_id)      # from here on the outbox tracks it
         host.loop.resume_into(request_id, result.token, result.logprobs,
                               self._stream(sub, request_id, first_sent))
+        return DecodeTimes(called, landed, time.time() - time.monotonic())
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        sub: str, first_sent: bool = False) -> None:

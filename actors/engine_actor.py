@@ -33,7 +33,7 @@ from actors.decode_side import DecodeSide
 from actors.engine_lease import EngineLease
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff
-from actors.messages import KVDestination, PrefillResult, ReplicaLoad
+from actors.messages import DecodeTimes, KVDestination, PrefillResult, ReplicaLoad
 from actors.prefill_side import PrefillSide
 from actors.streaming import StreamingEngine
 from actors.transport_pump import ms_percentiles
@@ -175,9 +175,9 @@ class EngineActor(StreamingEngine):
         return await self._as(Role.DECODE).renew(request_id)
 
     async def decode(self, request_id: str, result: PrefillResult, sub: str,
-                     first_sent: bool) -> None:
+                     first_sent: bool) -> DecodeTimes:
         """See DecodeSide.decode."""
-        await self._as(Role.DECODE).decode(request_id, result, sub, first_sent)
+        return await self._as(Role.DECODE).decode(request_id, result, sub, first_sent)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        sub: str, first_sent: bool = False) -> None:

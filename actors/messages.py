@@ -101,6 +101,31 @@ class PooledKV:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillTimes:
+    """P's stamps of one prefill, monotonic on P's host (wall clock = stamp + wall_offset):
+    what a request trace shows of P (router/tracing.py) and the TTFT diagnostics read
+    (bench/harness/diagnostics.py, through PrefillSide.stages)."""
+
+    called: float                  # the prefill call reached P
+    scheduled: float | None        # P's engine first scheduled it: its queue's end
+    prefilled: float               # its first token was out of P's engine
+    started: float                 # the handover began (push: once D's blocks were known)
+    landed: float                  # the KV was in place
+    wall_offset: float             # time.time() - time.monotonic() on P
+    transport: str                 # the KV transport's name
+    layers: int                    # KV layers moved
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTimes:
+    """D's stamps of taking a prompt's KV over (see PrefillTimes): D.decode's answer."""
+
+    called: float                  # D.decode reached D
+    landed: float                  # the KV was in D's blocks; the request joins the batch
+    wall_offset: float
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillResult:
     """What the prefill engine answers once the prompt KV is where its handoff puts it: the
     request's first token, and where the KV is for the decode engine."""
@@ -110,6 +135,7 @@ class PrefillResult:
     kv: PushedKV | PooledKV               # where the prompt KV is
     kv_bytes: int                         # bytes it moved
     transfer_s: float                     # from the handover's start to the KV in place
+    times: PrefillTimes | None = None     # P's stamps of it
 
     @property
     def token(self) -> int:
@@ -142,6 +168,7 @@ class StreamDelta:
     # Speculative decoding on this replica so far (RequestOutput.spec_*: totals, not deltas).
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    engine_times: tuple | None = None   # RequestOutput.engine_times: on the last delta only
 
     @classmethod
     def of(cls, out: RequestOutput) -> "StreamDelta":
@@ -149,7 +176,8 @@ class StreamDelta:
         lps = None if o.logprobs is None else (o.logprobs[-n:] if n else [])
         return cls(list(out.delta_token_ids), out.delta_text, lps, out.finished,
                    o.finish_reason, o.stop_reason, out.num_cached_tokens, out.error,
-                   out.engine_ttft, out.spec_proposed_tokens, out.spec_accepted_tokens)
+                   out.engine_ttft, out.spec_proposed_tokens, out.spec_accepted_tokens,
+                   out.engine_times)
 
     @classmethod
     def first_token(cls, out: RequestOutput) -> "StreamDelta":

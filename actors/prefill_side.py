@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff, KVSender, opened
-from actors.messages import PrefillResult, StreamDelta
+from actors.messages import PrefillResult, PrefillTimes, StreamDelta
 from actors.subscribers import Subscribers
 from pd_cluster.engine import LLMEngine
 from pd_cluster.outputs import RequestOutput
@@ -93,8 +93,12 @@ class PrefillSide:
         landed = time.monotonic()
         self.stages.append((request_id, called, sent.prefilled, sent.started, landed))
         host.end.count(sent.kv_bytes, landed - sent.started)
+        times = sent.last.engine_times
         return PrefillResult(StreamDelta.first_token(sent.last), sent.kv, sent.kv_bytes,
-                             landed - sent.started)
+                             landed - sent.started, PrefillTimes(
+                                 called, times[1] if times else None, sent.prefilled,
+                                 sent.started, landed, time.time() - time.monotonic(),
+                                 host.end.descriptor.backend, host.end.layout.num_layers))
 
     async def _first_output(self, request_id: str, prompt_ids: list[int],
                             params: SamplingParams) -> RequestOutput:

@@ -1,5 +1,5 @@
-"""The `pd-cluster` command line: `generate`, `profile`, `profile-serving`, `tune` and
-`bench`."""
+"""The `pd-cluster` command line: `generate`, `profile`, `profile-serving`, `tune`, `bench`
+and `trace`."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import json
 import sys
 
 from pd_cluster.benchmark.cli import add_bench
+from pd_cluster.trace_events import add_trace
 from pd_cluster.tuning.cli import add_profile, add_profile_serving, add_tune
 
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     add_profile_serving(sub)
     add_tune(sub)
     add_bench(sub)
+    add_trace(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -96,7 +96,9 @@ class OutputProcessor:
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         return RequestOutput(req.request_id, req.prompt_token_ids, [done], finished,
                              max(req.num_cached_tokens, 0), delta, delta_ids, req.error, ttft,
-                             req.spec_proposed_tokens, req.spec_accepted_tokens)
+                             req.spec_proposed_tokens, req.spec_accepted_tokens,
+                             (req.arrival_time, req.scheduled_time, req.first_token_time,
+                              time.monotonic()) if finished else None)
 
     def finalize(self, req: Request) -> RequestOutput:
         """The last output of a finished request; forgets its streaming state."""

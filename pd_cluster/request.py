@@ -65,6 +65,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None   # monotonic, when its first token was output
+    scheduled_time: float | None = None     # monotonic, when first scheduled: its queue's end
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

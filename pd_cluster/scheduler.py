@@ -6,6 +6,7 @@ preempted: its blocks are freed and it is recomputed later from prompt + generat
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -148,6 +149,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.scheduled_time = time.monotonic()   # a request trace's queue span ends here
                 self.stats.prefix_queries += req.num_tokens
                 self.stats.prefix_hits += num_cached
             self.kv.allocate(req, n, cached)

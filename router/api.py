@@ -150,11 +150,13 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         router.authorize(request)
-        return _respond(await router.serving.completions(await router.json_body(request)))
+        return _respond(await router.serving.completions(await router.json_body(request),
+                                                         request.headers))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         router.authorize(request)
-        return _respond(await router.serving.chat(await router.json_body(request)))
+        return _respond(await router.serving.chat(await router.json_body(request),
+                                                  request.headers))
 
     return app

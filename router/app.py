@@ -43,6 +43,7 @@ from router.engine_client import answer_within
 from router.log_setup import log_info
 from router.replica_app import ReplicaApp, StartState
 from router.metrics import RouterMetrics
+from router.tracing import Tracing
 from router.routing import RoutingInputs, make_policy
 from router.serving import OpenAIServing
 from router.streams import LoadMonitor, MembershipWatcher
@@ -140,11 +141,14 @@ class OpenAIRouter:
             client = make_client(config, engine)
             metrics = RouterMetrics(config.engine.model)
             metrics.collect_samples = config.planner.enabled
+            if hasattr(client, "transfers"):    # the P/D client: per-transfer metrics
+                client.transfers, client.transport = metrics.transfers, config.transport
             policy = make_policy(config.routing.policy, RoutingInputs(
                 config.num_prefill, config.num_decode, engine.block_size,
                 config.routing.prefill_weight, config.conditional_disagg_threshold))
             serving = OpenAIServing(config, client, policy, tokenizer, engine.max_model_len,
                                     metrics)
+            serving.tracing = Tracing.start(config.tracing, name)
             watcher = MembershipWatcher(controller, client, policy, serving.admission, metrics,
                                         engine.max_num_seqs, await asyncio.to_thread(api_url))
             # Re-attach to the running engines (a replacement router loads no model).

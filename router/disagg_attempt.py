@@ -70,6 +70,7 @@ class Attempt:
     p_id: int | None = None         # the prefill replica it is routed to
     p: Any = None                   # that replica's actor, while it prefills
     first_sent: bool = False
+    trace: Any = None               # its request's JobTrace (router/tracing.py), if traced
 
     @classmethod
     def start(cls, request_id: str, number: int, d_id: int, d: Any,

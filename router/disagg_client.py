@@ -75,6 +75,8 @@ from router.engine_client import table_loads
 from router.errors import EngineUnavailable
 from router.output_streams import OutputStreams
 from router.routing import ReplicaLoad, Route
+from router.tracing import CURRENT
+from router.transfer_metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,9 @@ class DisaggregatedClient:
         # (attempt id, generate called, P's first token back) of recent requests, monotonic:
         # with P's own stage stamps they say where a TTFT goes (bench/harness/diagnostics.py).
         self.stamps: collections.deque = collections.deque(maxlen=4096)
+        # Per-transfer metrics (router/transfer_metrics.py), set by the router replica.
+        self.transfers: TransferMetrics | None = None
+        self.transport = ""
 
     def __getstate__(self) -> dict:
         # A copy (benchmarks borrow the router's client) leaves our requests here.
@@ -152,10 +157,13 @@ class DisaggregatedClient:
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
         acc = StreamAccumulator(request_id, prompt_token_ids)
         number, d_id, entered = 0, route.decode_id, time.monotonic()
+        trace = CURRENT.get()     # the request's trace (router/tracing.py); None: untraced
+        job = None if trace is None else trace.job(request_id)
         try:
             while True:
                 attempt = Attempt.start(request_id, number, d_id,
                                         self.table.actors[Role.DECODE][d_id], route.prefill_id)
+                attempt.trace = job
                 self._attempts[request_id] = attempt
                 prompt, left = prompt_token_ids + acc.token_ids, _rest(params, acc.token_ids)
                 try:
@@ -167,10 +175,13 @@ class DisaggregatedClient:
                     if decoding is not None:
                         await self._take_over(attempt, decoding, prompt, left)
                     async for delta in self.streams.deltas(attempt.id, self.timeout_s):
+                        if job is not None and delta.finished:
+                            job.decoded(d_id, delta.engine_times, time.monotonic())
                         yield acc.add(delta)
                     attempt.move_to(Stage.FINISHED)
                     return
                 except RayActorError as e:   # D died
+                    died_at = time.monotonic()
                     self.handoff.release(attempt.id)
                     self.table.mark_dead((Role.DECODE, d_id))
                     try:
@@ -179,6 +190,8 @@ class DisaggregatedClient:
                         attempt.move_to(Stage.FAILED)
                         raise
                     attempt.move_to(Stage.MIGRATED)
+                    if job is not None:
+                        job.migrated(attempt.d_id, d_id, died_at, len(acc.token_ids))
                     number += 1
                     log.warning("decode replica died; re-running %s on decode %d from %d "
                                 "streamed tokens", request_id, d_id, len(acc.token_ids))
@@ -230,8 +243,10 @@ class DisaggregatedClient:
         LOCAL_PREFILL under the recompute policy, or whatever the policy when the KV pool
         died; else its error goes to the caller."""
         try:
-            await asyncio.wait_for(asyncio.shield(decoding), self.timeout_s)
+            times = await asyncio.wait_for(asyncio.shield(decoding), self.timeout_s)
         except RayTaskError as e:
+            if self.transfers is not None:
+                self.transfers.fail(self.transport, attempt.p_id, attempt.d_id, e)
             if not (self.recompute or isinstance(e.cause, PoolLost)):
                 raise
             log.warning("%s: the KV did not land on decode (%s); it prefills itself",
@@ -242,6 +257,8 @@ class DisaggregatedClient:
             return
         except TimeoutError:
             raise TimeoutError(f"no output for {attempt.id} in {self.timeout_s:g} s") from None
+        if attempt.trace is not None and times is not None:
+            attempt.trace.landing(attempt.d_id, times)
         attempt.move_to(Stage.DECODING)
 
     async def _local_prefill(self, attempt: Attempt, prompt: list[int],
@@ -260,12 +277,15 @@ class DisaggregatedClient:
         while True:
             p = attempt.p = self.table.actors[Role.PREFILL][attempt.p_id]
             self.streams.lease((Role.PREFILL, attempt.p_id), p)
+            called = time.monotonic()
             try:
                 result = await _renewing(d, attempt.id, p.prefill.remote(
                     attempt.id, prompt, params, destination, self.streams.sub))
                 attempt.p = None
+                self._transferred(attempt, called, result)
                 return result
             except (RayActorError, RayTaskError) as e:
+                self._transferred(attempt, called, None, e)
                 if isinstance(e, RayActorError):
                     self.table.mark_dead((Role.PREFILL, attempt.p_id))
                 if not self.recompute:
@@ -285,6 +305,19 @@ class DisaggregatedClient:
                     return None
                 attempt.p_id = alive[0]
                 attempt.move_to(Stage.PREFILLING)
+
+    def _transferred(self, attempt: Attempt, called: float, result: PrefillResult | None,
+                     error: BaseException | None = None) -> None:
+        """P's answer (or error) for the transfer metrics and the request's trace."""
+        if self.transfers is not None:
+            if error is not None:
+                self.transfers.fail(self.transport, attempt.p_id, attempt.d_id, error)
+            elif result.times is not None:   # (pooled: the handover into the KV pool)
+                self.transfers.observe(self.transport, attempt.p_id, attempt.d_id,
+                                       result.kv_bytes, result.transfer_s)
+        if attempt.trace is not None:
+            attempt.trace.prefill(attempt.p_id, attempt.d_id, called, time.monotonic(), result,
+                                  error)
 
     def _reply(self, ref: Any) -> asyncio.Future:
         """An engine call's reply, kept until it comes even if the request goes away first

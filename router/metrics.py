@@ -23,6 +23,7 @@ from pd_cluster.planner import Action
 from router.control.membership import Membership, ReplicaState
 from router.control.planner_loop import MAX_SAMPLES, LatencySample, PlannerView
 from router.routing import ReplicaLoad
+from router.transfer_metrics import TransferMetrics
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -225,6 +226,8 @@ class RouterMetrics:
         r.register(self._planner)
         self._kv_pools = _KVPoolCollector()
         r.register(self._kv_pools)
+        # Each KV handover's time and bytes, failures by cause (router/transfer_metrics.py).
+        self.transfers = TransferMetrics(r)
         # Finished requests for the engine controller's planner (router/control/planner_loop.py),
         # when it is on; sent and emptied every REPORT_EVERY_S.
         self.collect_samples = False

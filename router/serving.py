@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from contextlib import aclosing
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from router.responses import (ChatFormatter, Choice, CompletionFormatter, Format
 from router.routing import RoutingPolicy
 from router.streams import Admission, merge
 from router.tool_calls import ToolCallFormatter, ToolMode
+from router.tracing import CURRENT, Tracing, traced
 
 logger = logging.getLogger(__name__)
 Body = dict[str, Any] | AsyncIterator[str]   # a JSON body, or SSE events to stream
@@ -57,8 +59,19 @@ class OpenAIServing:
         self.max_prompt_tokens = config.limits.max_prompt_tokens or max_model_len - 1
         self.admission = Admission(config.num_decode * config.engine.max_num_seqs,
                                    config.limits.max_queue, metrics)
+        self.tracing: Tracing | None = None     # request traces, when on (router/tracing.py)
 
-    async def completions(self, body: Any) -> Body:
+    async def completions(self, body: Any, headers: Mapping[str, str] | None = None) -> Body:
+        """POST /v1/completions; `headers`: the request's (a W3C traceparent, when traced)."""
+        return await traced(self.tracing, "text_completion", self.config.engine.model, headers,
+                            self._completions(body))
+
+    async def chat(self, body: Any, headers: Mapping[str, str] | None = None) -> Body:
+        """POST /v1/chat/completions; `headers` as for completions."""
+        return await traced(self.tracing, "chat", self.config.engine.model, headers,
+                            self._chat(body))
+
+    async def _completions(self, body: Any) -> Body:
         req: CompletionRequest = parse(CompletionRequest, body)
         self.check_model(req.model)
         prompts = [self._prompt_ids(p) for p in req.prompts()]
@@ -66,7 +79,7 @@ class OpenAIServing:
                                   self.tokenizer, req.logprobs)
         return await self._serve(req, prompts, req.max_tokens, req.logprobs, fmt)
 
-    async def chat(self, body: Any) -> Body:
+    async def _chat(self, body: Any) -> Body:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
         self.check_model(req.model)
         try:
@@ -150,6 +163,12 @@ class OpenAIServing:
         req.check_token_ids(self.tokenizer.vocab_size)
         jobs = self._jobs(req, prompts, max_tokens, logprobs, fmt.request_id)
         self.check_available()
+        trace = None if self.tracing is None else CURRENT.get()
+        if trace is not None:
+            trace.request(**{"gen_ai.response.id": fmt.request_id, "gen_ai.request.max_tokens":
+                             max_tokens, "gen_ai.request.temperature": req.temperature,
+                             "gen_ai.request.top_p": req.top_p, "gen_ai.request.choice.count":
+                             req.n, "pd.stream": bool(req.stream)})
         self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         self.admission.acquire(len(jobs))
         outputs = self._outputs(jobs)
@@ -173,7 +192,12 @@ class OpenAIServing:
             self.admission.release(len(jobs))
 
     async def _run(self, job: Job) -> AsyncIterator[RequestOutput]:
+        trace = None if self.tracing is None else CURRENT.get()
+        routing = time.monotonic()
         route = self.policy.route(job.prompt_ids)
+        if trace is not None:
+            trace.job(job.request_id).routed(routing, time.monotonic(), route.prefill_id,
+                                             route.decode_id)
         if self.config.num_prefill:
             self.metrics.decisions.labels("local" if route.prefill_id is None else "remote").inc()
         timer = self.metrics.timer(len(job.prompt_ids))
@@ -185,6 +209,9 @@ class OpenAIServing:
                 if choice.finish_reason is FinishReason.ERROR:
                     raise RuntimeError(f"engine failed the request: {out.error}")
                 timer.finish(choice.finish_reason or FinishReason.STOP, len(choice.token_ids))
+                if trace is not None:
+                    trace.job(job.request_id).done(job.prompt_index, len(job.prompt_ids),
+                                                   len(choice.token_ids), choice.finish_reason)
             yield out
 
     async def _next(self, outputs: AsyncIterator[tuple[int, RequestOutput]]

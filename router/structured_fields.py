@@ -4,12 +4,14 @@ validated here into the engine's GrammarSpec, a bad schema or regex a 400 naming
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pd_cluster.structured import GrammarSpec
 from router.errors import ErrorCode, bad_request
+from router.tracing import stage
 
 
 class JSONSchemaFormat(BaseModel):
@@ -78,10 +80,14 @@ def schema_grammar(schema: dict[str, Any] | bool, param: str) -> GrammarSpec:
 
 def checked(spec: GrammarSpec, param: str) -> GrammarSpec:
     """`spec` if llguidance can build it; else a 400 naming `param` with its reason."""
+    began = time.monotonic()
     try:
-        spec.check()
+        spec.check()    # llguidance compiles the grammar: a request trace's grammar.compile
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param=param, code=ErrorCode.INVALID_VALUE) from None
+    finally:
+        stage("grammar.compile", began, time.monotonic(), **{"pd.grammar.kind": str(spec.kind),
+                                                             "pd.grammar.param": param})
     return spec
 
 
