@@ -11,19 +11,35 @@ import ray
 
 from actors.engine_lease import EngineLease
 from actors.engine_loop import EngineLoop
+from actors.kv_tiers import TieredEngine
 from actors.streaming import StreamingEngine
 from pd_cluster.config import EngineConfig
 from pd_cluster.role import Role
+from pd_cluster.sampling_params import SamplingParams
 
 
 @ray.remote
-class ColocatedActor(StreamingEngine):
+class ColocatedActor(StreamingEngine, TieredEngine):
     def __init__(self, config: EngineConfig, replica_id: int,
-                 stall_timeout_s: float = 600.0, engine_lease_s: float | None = None) -> None:
+                 stall_timeout_s: float = 600.0, engine_lease_s: float | None = None,
+                 kv_tiers: object = None) -> None:
+        """`kv_tiers`: a KVTiersConfig (router/app_sections.py) to keep evicted prefix
+        blocks in the node's host and disk tiers (actors/kv_tiers.py); None: off."""
         self.loop = EngineLoop(config, stall_timeout_s, Role.DECODE, replica_id)
+        self._init_tiers(kv_tiers)
         self._open_outbox()
         self.lease = (None if engine_lease_s is None
                       else EngineLease(f"colocated-{replica_id}", engine_lease_s))
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       sub: str) -> None:
+        """StreamingEngine.generate, the prompt's prefix first loaded from the KV tiers
+        where that beats computing it (held until the engine has the request)."""
+        kept = await self._tier_reuse(prompt_ids)
+        try:
+            await StreamingEngine.generate(self, request_id, prompt_ids, params, sub)
+        finally:
+            self._tier_release(kept)   # queued after the request: it finds them cached
 
     async def renew_lease(self) -> float:
         """Renew this actor's lease (actors/engine_lease.py); returns its length."""

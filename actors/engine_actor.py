@@ -33,6 +33,7 @@ from actors.decode_side import DecodeSide
 from actors.engine_lease import EngineLease
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff
+from actors.kv_tiers import TieredEngine
 from actors.messages import DecodeTimes, KVDestination, PrefillResult, ReplicaLoad
 from actors.prefill_side import PrefillSide
 from actors.streaming import StreamingEngine
@@ -63,18 +64,21 @@ class WrongRole(RuntimeError):
 
 
 @ray.remote
-class EngineActor(StreamingEngine):
+class EngineActor(StreamingEngine, TieredEngine):
     def __init__(self, config: EngineConfig, role: Role, replica_id: int, transport: str,
                  timeout_s: float = 120.0, lease_s: float = RESERVATION_LEASE_S,
-                 transfer_lease_s: float = LEASE_S, engine_lease_s: float | None = None
-                 ) -> None:
+                 transfer_lease_s: float = LEASE_S, engine_lease_s: float | None = None,
+                 kv_tiers: object = None) -> None:
         """`lease_s`: how long D holds a reservation without a renewal; `transfer_lease_s`:
         the KV transport's lease (transfer/base.py), which also sets how long D fences blocks
         a dead P may still write; `engine_lease_s`: this actor's own lease (None: none, its
-        owner's death ends it)."""
+        owner's death ends it); `kv_tiers`: a KVTiersConfig to keep evicted prefix blocks in
+        the node's host and disk tiers and load prompts' prefixes from them, as P before a
+        prefill and as D before a reservation (actors/kv_tiers.py); None: off."""
         role = Role.parse(role)
         self.lease_s = lease_s
         self.loop = EngineLoop(config, timeout_s, role, replica_id)
+        self._init_tiers(kv_tiers)
         self.async_scheduling = self.loop.engine.async_scheduling   # D's setting, resolved
         self._open_outbox()
         self.end = KVEndpoint(self.loop, transport, timeout_s, f"engine-{role}-{replica_id}-kv",
@@ -156,9 +160,14 @@ class EngineActor(StreamingEngine):
     # -- prefill (P) ----------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       destination: list | None, sub: str | None = None) -> PrefillResult:
-        """See PrefillSide.prefill."""
-        return await self._as(Role.PREFILL).prefill(request_id, prompt_ids, params,
-                                                    destination, sub)
+        """See PrefillSide.prefill (the prompt's prefix first loaded from the KV tiers where
+        that beats computing it, held until the prefill is done)."""
+        side = self._as(Role.PREFILL)
+        kept = await self._tier_reuse(prompt_ids)
+        try:
+            return await side.prefill(request_id, prompt_ids, params, destination, sub)
+        finally:
+            self._tier_release(kept)
 
     async def timeline(self) -> list[tuple[str, int, float]]:
         """See PrefillSide.timeline."""
@@ -167,8 +176,14 @@ class EngineActor(StreamingEngine):
     # -- decode (D) -----------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       sub: str | None = None) -> KVDestination | None:
-        """See DecodeSide.reserve."""
-        return await self._as(Role.DECODE).reserve(request_id, prompt_ids, params, sub)
+        """See DecodeSide.reserve (the prompt's prefix first loaded from the KV tiers where
+        that beats computing it: P then pushes only the rest)."""
+        side = self._as(Role.DECODE)
+        kept = await self._tier_reuse(prompt_ids)
+        try:
+            return await side.reserve(request_id, prompt_ids, params, sub)
+        finally:
+            self._tier_release(kept)     # the reservation holds them now
 
     async def renew(self, request_id: str) -> bool:
         """See DecodeSide.renew."""
@@ -183,7 +198,12 @@ class EngineActor(StreamingEngine):
                        sub: str, first_sent: bool = False) -> None:
         """D prefills a prompt itself (conditional disaggregation, the fallbacks): see
         DecodeSide.generate."""
-        await self._as(Role.DECODE).generate(request_id, prompt_ids, params, sub, first_sent)
+        side = self._as(Role.DECODE)
+        kept = await self._tier_reuse(prompt_ids)
+        try:
+            await side.generate(request_id, prompt_ids, params, sub, first_sent)
+        finally:
+            self._tier_release(kept)
 
     # -- changing roles ---------------------------------------------------------------------
     async def set_role(self, role: Role, replica_id: int) -> ReplicaLoad:

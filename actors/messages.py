@@ -32,6 +32,10 @@ class PrefixReport:
     cursor: int             # number of the last event included: the next poll's prefix_since
     stored: list[int]       # hashes cached now (a snapshot: all of them)
     removed: list[int]      # hashes no longer cached (empty in a snapshot)
+    # The KV tiers (docs/kv_tiers.md): hashes the engine's node's host tier took in (a
+    # snapshot: all it holds) and dropped, past the GPU cache: a cheaper miss.
+    offloaded: list[int] = field(default_factory=list)
+    unloaded: list[int] = field(default_factory=list)
 
     @property
     def snapshot(self) -> bool:

@@ -3,14 +3,18 @@
 Keys are the engines' chained prefix block hashes (`prompt_keys`), so a block one prefill
 engine put is found by any engine whose prompt shares that prefix; a prompt's partial last
 block has no such hash and goes under a RequestKey, private to its request.
+
+As the KV tiers' host tier (docs/kv_tiers.md) the index also records which prefix hashes it
+stores and drops (`events`, a PrefixEventLog the engines mirror into their reports) and hands
+every block it evicts to `on_evict` first (the pool writes it to the disk tier).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
-from pd_cluster.block_allocator import prefix_block_hashes
+from pd_cluster.block_allocator import PrefixEventLog, prefix_block_hashes
 
 Key = Hashable  # a prefix block hash (int or bytes), or a RequestKey
 
@@ -46,6 +50,8 @@ class BlockIndex:
         self.pins: dict[int, int] = {}
         self.orphans: set[int] = set()  # dropped while pinned: freed at their last unpin
         self.hits = self.misses = self.evictions = 0
+        self.events: PrefixEventLog | None = None       # prefix hashes stored / dropped
+        self.on_evict: Callable[[Key, int], None] | None = None   # (key, block) evicted
 
     def allocate(self, n: int) -> list[int]:
         """Up to n blocks, evicting unpinned cached blocks (oldest first) when none are free."""
@@ -63,9 +69,17 @@ class BlockIndex:
         victim = next((k for k, b in self.cached.items() if b not in self.pins), None)
         if victim is None:
             return False
-        self.free_ids.append(self.cached.pop(victim))
+        block = self.cached.pop(victim)
+        if self.on_evict is not None:   # before the block can be reused
+            self.on_evict(victim, block)
+        self._removed(victim)
+        self.free_ids.append(block)
         self.evictions += 1
         return True
+
+    def _removed(self, key: Key) -> None:
+        if self.events is not None and isinstance(key, int):
+            self.events.removed(key)
 
     def insert(self, keys: Sequence[Key], block_ids: Sequence[int]) -> list[int]:
         """Index blocks by key; returns the block now cached under each key."""
@@ -74,6 +88,8 @@ class BlockIndex:
                 self.free_ids.append(b)
             else:
                 self.cached[key] = b
+                if self.events is not None and isinstance(key, int):
+                    self.events.stored(key)
         return [self.cached[k] for k in keys]
 
     def drop(self, key: Key) -> None:
@@ -81,6 +97,7 @@ class BlockIndex:
         b = self.cached.pop(key, None)
         if b is None:
             return
+        self._removed(key)
         if b in self.pins:
             self.orphans.add(b)
         else:

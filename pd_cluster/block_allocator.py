@@ -8,6 +8,11 @@ A block whose ref count drops to 0 goes to the tail of the free queue but stays 
 index, so a later request with the same prefix can revive it. Only when the queue hands it out
 for new content is its hash dropped ("lazy eviction").
 
+With the KV tiers on (`collect_offloads`), a hashed block whose ref count drops to 0 is also
+listed in `offloads`: the engine's actor copies it to its node's host tier (actors/kv_tiers.py)
+while it sits in the free queue, taking a reference meanwhile, so it is copied before any
+eviction could reuse it and the step never waits for the copy (docs/kv_tiers.md).
+
 Routers learn what a cache holds from its events (like vLLM's KV cache events): once an
 engine's owner calls `record_events`, every hash registered in the index is recorded as
 stored and every hash dropped from it as removed, in a PrefixEventLog.
@@ -44,6 +49,9 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 
 # Fewest events a PrefixEventLog keeps, whatever the cache's size.
 MIN_EVENT_LOG = 1024
+# Host-tier events are the hash plus this bit (hashes are 64-bit), so they share the one
+# numbered stream with the GPU cache's and net out apart from them.
+HOST_BIT = 1 << 64
 
 
 class PrefixChanges(NamedTuple):
@@ -53,6 +61,10 @@ class PrefixChanges(NamedTuple):
     cursor: int           # sequence number of the last event included
     stored: list[int]     # hashes cached now that were not at `since`
     removed: list[int]    # hashes cached at `since` that are not now
+    # The KV tiers: hashes the node's host tier holds now that it did not at `since` (a
+    # snapshot: all of them), and those it held then and does not now.
+    offloaded: list[int]
+    unloaded: list[int]
 
 
 class PrefixEventLog:
@@ -65,7 +77,9 @@ class PrefixEventLog:
     a mirror of the cached hashes. Any thread then reads `changes(since)`: the net changes
     after `since`, or a snapshot of the mirror once the log no longer reaches back that far.
     The log keeps between `capacity` and twice as many events (trimmed in bulk, amortized
-    O(1) per event). An event is a hash `h` (stored) or `~h` (removed; hashes are >= 0).
+    O(1) per event). An event is a hash `h` (stored) or `~h` (removed; hashes are >= 0);
+    with the KV tiers also `h + HOST_BIT` (offloaded: the node's host tier holds it) or
+    `~(h + HOST_BIT)` (unloaded: it no longer does), which a clearing of the GPU cache keeps.
     """
 
     def __init__(self, capacity: int, cached: Iterable[int] = ()) -> None:
@@ -79,12 +93,19 @@ class PrefixEventLog:
         self._first = 1
         self._cursor = 0
         self._cached: set[int] = set(cached)   # the hashes cached as of _cursor
+        self._host: set[int] = set()           # held by the host tier as of _cursor
 
     def stored(self, block_hash: int) -> None:
         self._pending.append(block_hash)
 
     def removed(self, block_hash: int) -> None:
         self._pending.append(~block_hash)
+
+    def offloaded(self, block_hash: int) -> None:
+        self._pending.append(block_hash + HOST_BIT)
+
+    def unloaded(self, block_hash: int) -> None:
+        self._pending.append(~(block_hash + HOST_BIT))
 
     def cleared(self) -> None:
         """Every hash left the cache at once: readers get a snapshot (of what follows)."""
@@ -101,16 +122,18 @@ class PrefixEventLog:
                 # One number for the clearing; no window may span it, so any cursor before it
                 # gets a snapshot.
                 self._reset = False
-                self._cached.clear()
+                self._cached.clear()              # (the host tier is not this cache)
                 self._events.clear()
                 self._cursor += 1
                 self._first = self._cursor + 1
-            cached = self._cached
+            cached, host = self._cached, self._host
             for event in pending:
+                value = event if event >= 0 else ~event
+                held = host if value >= HOST_BIT else cached
                 if event >= 0:
-                    cached.add(event)
+                    held.add(value & (HOST_BIT - 1))
                 else:
-                    cached.discard(~event)
+                    held.discard(value & (HOST_BIT - 1))
             self._events += pending
             self._cursor += len(pending)
             excess = len(self._events) - self.capacity
@@ -130,17 +153,21 @@ class PrefixEventLog:
         with self._lock:
             cursor = self._cursor
             if since < 0 or since > cursor or since < self._first - 1:
-                return PrefixChanges(-1, cursor, list(self._cached), [])
+                return PrefixChanges(-1, cursor, list(self._cached), [], list(self._host), [])
             window = self._events[since - self._first + 1:]
         # A hash's events alternate (stored, removed, stored...), so two in a row cancel out:
-        # what is left of a hash is its one net change, if any.
+        # what is left of a hash is its one net change, if any (host-tier ones apart).
         net: dict[int, bool] = {}
         for event in window:
             block_hash = event if event >= 0 else ~event
             if net.pop(block_hash, None) is None:
                 net[block_hash] = event >= 0
-        return PrefixChanges(since, cursor, [h for h, s in net.items() if s],
-                             [h for h, s in net.items() if not s])
+        low = HOST_BIT - 1
+        return PrefixChanges(
+            since, cursor, [h for h, s in net.items() if s and h < HOST_BIT],
+            [h for h, s in net.items() if not s and h < HOST_BIT],
+            [h & low for h, s in net.items() if s and h >= HOST_BIT],
+            [h & low for h, s in net.items() if not s and h >= HOST_BIT])
 
 
 @dataclass(slots=True, eq=False)
@@ -163,6 +190,13 @@ class BlockAllocator:
         self._by_hash: dict[int, Block] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.events: PrefixEventLog | None = None   # see record_events
+        self.offloads: list[Block] | None = None    # see collect_offloads
+
+    def collect_offloads(self) -> None:
+        """From now on list in `offloads` each hashed block whose last reference goes (the
+        KV tiers' candidates to copy down; their owner empties the list)."""
+        if self.offloads is None:
+            self.offloads = []
 
     def record_events(self, capacity: int | None = None) -> PrefixEventLog:
         """Record from now on which hashes the index stores and removes (once; before the
@@ -242,6 +276,8 @@ class BlockAllocator:
             assert block.ref_count >= 0, f"block {block.block_id} released twice"
             if block.ref_count == 0:
                 self._free[block.block_id] = None
+                if self.offloads is not None and block.block_hash is not None:
+                    self.offloads.append(block)
 
     def cache(self, block: Block, block_hash: int, token_ids: Sequence[int]) -> None:
         """Register a full block under its hash (the first block to claim a hash keeps it)."""

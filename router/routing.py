@@ -5,7 +5,9 @@
     cost = prefill_weight × (prompt blocks − blocks of the prompt's prefix it holds)
            + KV blocks it has in use
 
-and takes the cheapest: first a decode replica, then, when the prompt's uncached part on that
+where a block the replica's node holds in its KV host tier (docs/kv_tiers.md: past the GPU
+prefix, loaded instead of computed) counts HOST_HIT_COST of a block to prefill: a host-tier hit
+scores below a GPU hit and above a miss. It takes the cheapest: first a decode replica, then, when the prompt's uncached part on that
 D reaches `conditional_disagg_threshold` tokens, a prefill replica (otherwise D prefills the
 prompt itself: conditional disaggregation; also when no prefill replica is available).
 
@@ -44,6 +46,10 @@ DEFAULT_RECORD_BLOCKS = 4096
 # listing it: covers the request's wait and prefill plus a poll (LOAD_POLL_S); past that it
 # failed, was aborted or its blocks were evicted again.
 ROUTE_TTL_S = 10.0
+# What a prompt block found in the replica's node's host tier costs, in blocks to prefill: a
+# copy from host memory, several times cheaper than computing it on a GPU, but not free (its
+# bytes cross PCIe, and the tier may have dropped it by the time the request arrives).
+HOST_HIT_COST = 0.5
 
 
 class NoReplicaAvailable(LookupError):
@@ -147,6 +153,7 @@ class ReplicaPrefixes:
         self.epoch: int | None = None
         self.cursor = -1
         self.cached: set[int] = set()           # as of `cursor`, from the replica's reports
+        self.host: set[int] = set()             # in its node's host tier, as of `cursor`
         self.routed: OrderedDict[int, float] = OrderedDict()   # hash -> when, oldest first
 
     def overlap(self, hashes: Sequence[int], now: float) -> int:
@@ -159,6 +166,13 @@ class ReplicaPrefixes:
                     break
             n += 1
         return n
+
+    def host_overlap(self, hashes: Sequence[int], start: int) -> int:
+        """Number of `hashes` from `start` on that the node's host tier holds, in a row."""
+        n = start
+        while n < len(hashes) and hashes[n] in self.host:
+            n += 1
+        return n - start
 
     def add_route(self, hashes: Sequence[int], now: float) -> None:
         """A prompt with these block hashes was routed here: it will hold them."""
@@ -173,6 +187,7 @@ class ReplicaPrefixes:
         if report.epoch != self.epoch:
             self.epoch = report.epoch
             self.cached = set(report.stored)
+            self.host = set(report.offloaded)
             # Changes after a cursor of its predecessor mean nothing for what we knew and are
             # not all it holds: keep them, ask for everything next.
             self.cursor = report.cursor if report.snapshot else -1
@@ -180,10 +195,13 @@ class ReplicaPrefixes:
             return                                  # older than what we have (polls overlapped)
         elif report.snapshot:
             self.cached = set(report.stored)
+            self.host = set(report.offloaded)
             self.cursor = report.cursor
         else:
             self.cached.update(report.stored)
             self.cached.difference_update(report.removed)
+            self.host.update(report.offloaded)
+            self.host.difference_update(report.unloaded)
             # Changes after a cursor newer than ours leave a gap: ask for everything next.
             self.cursor = report.cursor if report.since <= self.cursor else -1
         for h in report.stored:                     # reported now: no longer a guess
@@ -256,11 +274,14 @@ class KvAwarePolicy(RoutingPolicy):
 
     def cost(self, role: Role, replica_id: int, hashes: Sequence[int],
              num_blocks: int) -> tuple[float, int]:
-        """(cost, prefix blocks held) of sending a prompt of `num_blocks` blocks there."""
+        """(cost, prefix blocks held) of sending a prompt of `num_blocks` blocks there: the
+        blocks past its GPU prefix that its node's host tier holds count HOST_HIT_COST each."""
         replica = self._replica((role, replica_id))
         overlap = replica.prefixes.overlap(hashes, self.clock())
+        in_host = replica.prefixes.host_overlap(hashes, overlap)
         active = replica.used + replica.routed_blocks
-        return self.inputs.prefill_weight * (num_blocks - overlap) + active, overlap
+        to_prefill = num_blocks - overlap - (1 - HOST_HIT_COST) * in_host
+        return self.inputs.prefill_weight * to_prefill + active, overlap
 
     def _cheapest(self, role: Role, ids: list[int], hashes: Sequence[int],
                   num_blocks: int) -> tuple[int, int]:

@@ -87,6 +87,10 @@ def spawner(config: Any, engine: Any, actor_options: Mapping[Role, dict[str, Any
             options.update(name=engine_name(app, role, replica_id), lifetime="detached")
             lease = ENGINE_LEASE_S
         role_engine = config.role_engine(engine, role)   # its tensor-parallel size
+        # The KV tiers (actors/kv_tiers.py) ride along only when on: off, the actors' own
+        # default (None) keeps an older actor class's signature.
+        tiers = getattr(config, "kv_tiers", None)
+        extra = {"kv_tiers": tiers} if tiers is not None and tiers.enabled else {}
         if config.mode == "colocated":
             from actors.colocated_actor import ColocatedActor as actor_class
             args: tuple = (role_engine, replica_id, timeout)
@@ -94,12 +98,12 @@ def spawner(config: Any, engine: Any, actor_options: Mapping[Role, dict[str, Any
             from actors.engine_actor import EngineActor as actor_class
             args = (role_engine, role, replica_id, config.transport, timeout)
         try:
-            return actor_class.options(**options).remote(*args, engine_lease_s=lease)
+            return actor_class.options(**options).remote(*args, engine_lease_s=lease, **extra)
         except ValueError:
             # The name is still held: the slot's previous actor, killed a moment ago, not yet
             # gone, or an actor that changed roles into another slot. A suffix keeps it apart.
             options["name"] += f"-{uuid.uuid4().hex[:6]}"
-            return actor_class.options(**options).remote(*args, engine_lease_s=lease)
+            return actor_class.options(**options).remote(*args, engine_lease_s=lease, **extra)
     return spawn
 
 

@@ -1,0 +1,349 @@
+"""An engine actor's side of the KV cache hierarchy (docs/kv_tiers.md): its node's host tier
+(actors/kv_tier_host.py HostTier, with the disk tier under it), in every mode.
+
+Lifecycle (TierClient, one per engine actor, on its event loop):
+    start()       finds or starts the node's HostTier, maps its shared segment (the engine's
+                  KV cache must be one shard in this process, and the layouts must match;
+                  else the tiers stay off for this engine, with a warning) and has the
+                  engine's allocator list the hashed blocks it frees; then OFF → ON and a
+                  background task runs:
+    offload       every OFFLOAD_EVERY_S, the freed hashed blocks not yet written down: a
+                  reference each (engine thread; only blocks still free and still holding
+                  their hash, so nothing the step uses), a copy into the host tier's granted
+                  blocks (off the event loop), the references dropped. A hash is written
+                  once: the blocks this engine put are remembered (OFFLOADED_MEMORY of them)
+                  and the host tier skips keys it holds
+    mirror        every MIRROR_EVERY_S, the host tier's stored / dropped prefix hashes into
+                  the engine's PrefixEventLog (offloaded / unloaded events), which routers
+                  read with its prefix reports; and the engine's measured prefill rate into
+                  the cost rule
+    reuse(ids)    before a prompt is computed (colocated: generate; P: prefill; D: reserve):
+                  the longest prefix held locally, in host memory and on disk; LoadCost
+                  decides how far to load (none, host part, host and disk parts); disk blocks
+                  are promoted into host memory first (the HostTier reads them, checksums
+                  checked), then copied into fresh engine blocks, indexed as cached. The
+                  caller releases the returned references once the request holds its blocks
+    close()       ON → CLOSED: the task stops; the HostTier lives on (detached, per node), so
+                  a replacement engine on the node finds what this one put
+Any failure of the tier (dead, slow, refused) only costs the reuse or the offload: logged,
+counted, never a failed request.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from actors.kv_pool import node_id
+from actors.kv_tier_host import start_host_tier
+from actors.pool_shm import SharedSegment, copy_blocks
+from pd_cluster.block_allocator import Block, prefix_block_hashes
+from pd_cluster.kv_tiers import LoadCost, Tier, TierSettings
+
+if TYPE_CHECKING:
+    from actors.engine_loop import EngineLoop
+    from pd_cluster.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+OFFLOAD_EVERY_S = 0.02
+MIRROR_EVERY_S = 1.0
+# Hashes this engine remembers having written down (beyond, a repeat costs one round trip:
+# the host tier skips keys it holds).
+OFFLOADED_MEMORY = 1 << 16
+
+
+class TierState(str, enum.Enum):
+    OFF = "off"          # not started, or refused (no shared memory, several shards, ...)
+    ON = "on"
+    CLOSED = "closed"
+
+
+class TierClient:
+    """See the module docstring. `settings`: a KVTiersConfig or TierSettings."""
+
+    def __init__(self, loop: EngineLoop, settings: Any, timeout_s: float = 30.0) -> None:
+        self.loop, self.timeout_s = loop, timeout_s
+        self.settings = settings if isinstance(settings, TierSettings) \
+            else TierSettings.of(settings)
+        self.cost = LoadCost(self.settings)
+        self.state = TierState.OFF
+        self.pool: Any = None
+        self.segment: SharedSegment | None = None
+        self._offloaded: OrderedDict[int, None] = OrderedDict()
+        self._host: set[int] = set()       # the host tier's hashes as last mirrored
+        self._cursor = -1
+        self._epoch: int | None = None
+        self._task: asyncio.Task | None = None
+        self._prefill_seen = (0, 0.0)
+        self.stats = {"host_hits": 0, "disk_hits": 0, "loads": 0, "load_s": 0.0,
+                      "recomputed": 0, "offloaded": 0, "errors": 0}
+
+    async def start(self) -> None:
+        shards = self.loop.engine.kv_shards()
+        if len(shards) != 1:
+            log.warning("KV tiers off for this engine: its KV cache is %d shards (tensor "
+                        "parallel); the host tier copy needs one", len(shards))
+            return
+        self.kv, layout = shards[0]
+        self.block_size = layout.block_size
+        self.block_bytes = layout.bytes_per_block_id
+        try:
+            self.pool = start_host_tier(layout, self.settings, self.timeout_s)
+            handle = await self._ask(self.pool.shared.remote())
+        except Exception as e:  # noqa: BLE001 - no tier: the engine serves without
+            log.warning("KV tiers off for this engine: no host tier on its node (%s)", e)
+            return
+        theirs = handle.layout if handle is not None else None
+        if theirs is None or theirs.num_blocks < 1 or \
+                _resized(theirs, layout.num_blocks) != layout:
+            log.warning("KV tiers off for this engine: the node's host tier has another KV "
+                        "layout (%s, ours %s)", theirs, layout)
+            return
+        self.segment = SharedSegment.attach(handle, node_id())
+        if self.segment is None:
+            log.warning("KV tiers off for this engine: cannot map the host tier's memory")
+            return
+        await self.loop.call(lambda e: e.kv.allocator.collect_offloads())
+        self.state = TierState.ON
+        self._task = asyncio.ensure_future(self._run())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.state = TierState.CLOSED
+
+    # -- reuse ------------------------------------------------------------------------------
+    async def reuse(self, prompt_ids: list[int]) -> list[Block]:
+        """Hold the prompt's cached prefix, loading what the tiers hold past it when that
+        beats computing it (module docstring). Returns the blocks it holds a reference on,
+        for the caller to release (`KVCacheManager.release_blocks`, engine thread)."""
+        local = await self.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids))
+        if self.state is not TierState.ON:
+            return local
+        first = len(local)
+        limit = (len(prompt_ids) - 1) // self.block_size      # never the last token's block
+        if limit <= first:
+            return local
+        keys = prefix_block_hashes(prompt_ids[:limit * self.block_size], self.block_size)
+        try:
+            host, both = await self._ask(self.pool.tier_lookup.remote(keys))
+            in_host = max(host, first)      # keys past this one come from the disk tier
+            target = self._worth(first, host, both)
+            if target <= first:
+                self.stats["recomputed"] += max(both - first, 0)
+                return local
+            began = time.monotonic()
+            if target > max(host, first):
+                host = await self._ask(self.pool.promote.remote(keys[:target]))
+                target = min(target, host)
+            read = await self._read(prompt_ids, keys, first, target) if target > first else []
+        except Exception as e:  # noqa: BLE001 - a tier that fails costs the reuse only
+            self.stats["errors"] += 1
+            log.warning("KV tiers: loading a prefix failed (%s); computing it", e)
+            return local
+        seconds = time.monotonic() - began
+        from_disk = max(0, first + len(read) - in_host)
+        self.stats["host_hits"] += len(read) - from_disk
+        self.stats["disk_hits"] += from_disk
+        self.stats["loads"] += 1 if read else 0
+        self.stats["load_s"] += seconds
+        if read:
+            self.cost.loaded(Tier.DISK if from_disk else Tier.HOST,
+                             len(read) * self.block_bytes, seconds)
+        return local + read
+
+    def _worth(self, first: int, host: int, both: int) -> int:
+        """How many keys to have loaded (from the first): `first` (recompute), `host` or
+        `both`, whichever saves the most time."""
+        best, best_saving = first, 0.0
+        options = [host] if host > first else []
+        if both > max(host, first):
+            options.append(both)
+        for end in options:
+            in_host = max(0, min(host, end) - first)
+            on_disk = end - first - in_host
+            saving = self.cost.saving((end - first) * self.block_size,
+                                      {Tier.HOST: in_host * self.block_bytes,
+                                       Tier.DISK: on_disk * self.block_bytes})
+            if saving > best_saving:
+                best, best_saving = end, saving
+        return best
+
+    async def _read(self, prompt_ids: list[int], keys: list[int], first: int,
+                    end: int) -> list[Block]:
+        """Copy the host tier's blocks of keys[first:end] into fresh engine blocks, indexed
+        as cached; the ones read (a reference each)."""
+        fresh = await self.loop.call(lambda e: e.kv.blocks_for_import(end - first))
+        got = 0
+        try:
+            if fresh:
+                got = await self._copy(False, keys[first:first + len(fresh)],
+                                       [b.block_id for b in fresh])
+        finally:
+            read, unused = fresh[:got], fresh[got:]
+
+            def adopt(engine: LLMEngine) -> None:
+                engine.kv.cache_imported(prompt_ids, first, read)
+                engine.kv.release_blocks(unused)
+            if fresh:
+                await self.loop.call(adopt)
+        return read
+
+    # -- offload ----------------------------------------------------------------------------
+    async def _run(self) -> None:
+        last_mirror = 0.0
+        while True:
+            await asyncio.sleep(OFFLOAD_EVERY_S)
+            try:
+                if self.loop.engine.kv.allocator.offloads:   # a length read: no lock needed
+                    await self._offload()
+                if time.monotonic() - last_mirror > MIRROR_EVERY_S:
+                    last_mirror = time.monotonic()
+                    await self._mirror()
+                    self._measure_prefill()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the next round tries again
+                self.stats["errors"] += 1
+                log.warning("KV tiers: offload or mirror failed: %s", e)
+                await asyncio.sleep(MIRROR_EVERY_S)
+
+    async def _offload(self) -> None:
+        done = self._offloaded
+
+        def take(engine: LLMEngine) -> list[Block]:
+            allocator = engine.kv.allocator
+            todo, allocator.offloads = allocator.offloads, []
+            picked: dict[int, Block] = {}
+            for b in todo:    # still free, still hashed, not written down yet
+                if b.ref_count == 0 and b.block_hash is not None and b.block_hash not in done:
+                    picked[b.block_id] = b
+            blocks = list(picked.values())
+            allocator.touch(blocks)     # out of the free queue until copied
+            return blocks
+        blocks = await self.loop.call(take)
+        if not blocks:
+            return
+        try:
+            keys = [b.block_hash for b in blocks]
+            await self._copy(True, keys, [b.block_id for b in blocks])
+            for key in keys:
+                done[key] = None
+            while len(done) > OFFLOADED_MEMORY:
+                done.popitem(last=False)
+            self.stats["offloaded"] += len(keys)
+        finally:
+            def let_go(engine: LLMEngine) -> None:
+                engine.kv.allocator.release(blocks)
+                # Our own release listed them again: they are written (or failed) already.
+                offloads = engine.kv.allocator.offloads
+                if offloads:
+                    ids = {b.block_id for b in blocks}
+                    offloads[:] = [b for b in offloads if b.block_id not in ids]
+            await self.loop.call(let_go)
+
+    async def _copy(self, write: bool, keys: list[int], block_ids: list[int]) -> int:
+        """Put (write) our `block_ids` under `keys` into the host tier, or get (read) the
+        longest held prefix of `keys` into them, by a copy through its shared memory."""
+        begin = self.pool.begin_put if write else self.pool.begin_get
+        grant = await self._ask(begin.remote("", keys))
+        ok = False
+        try:
+            if grant.block_ids:
+                local = [block_ids[i] for i in grant.positions]
+                src, dst = (self.kv, self.segment.kv) if write else (self.segment.kv, self.kv)
+                src_ids, dst_ids = (local, grant.block_ids) if write else (grant.block_ids, local)
+                await asyncio.to_thread(copy_blocks, src, dst, src_ids, dst_ids)
+            ok = True
+        finally:
+            done = await self._ask(self.pool.end_local.remote(grant.transfer_id, ok))
+        return done
+
+    # -- routing's view, the cost rule's rate -------------------------------------------------
+    async def _mirror(self) -> None:
+        """The host tier's hash changes into the engine's prefix events (offloaded/unloaded)."""
+        epoch, ch = await self._ask(self.pool.tier_changes.remote(self._cursor))
+        if epoch != self._epoch or ch.since < 0:
+            now = set(ch.stored)
+            added, gone = now - self._host, self._host - now
+        else:
+            added, gone = set(ch.stored), set(ch.removed)
+        self._epoch, self._cursor = epoch, ch.cursor
+        if not added and not gone:
+            return
+        self._host = (self._host | added) - gone
+
+        def record(engine: LLMEngine) -> None:
+            events = engine.kv.allocator.events
+            if events is not None:
+                for h in added:
+                    events.offloaded(h)
+                for h in gone:
+                    events.unloaded(h)
+        await self.loop.call(record)
+
+    def _measure_prefill(self) -> None:
+        totals = self.loop.engine.step_totals
+        tokens = sum(totals[k].work.sum_tokens for k in ("prefill", "mixed"))
+        seconds = sum(totals[k].seconds for k in ("prefill", "mixed"))
+        last_tokens, last_s = self._prefill_seen
+        self._prefill_seen = (tokens, seconds)
+        self.cost.prefilled(tokens - last_tokens, seconds - last_s)
+
+    async def _ask(self, ref: Any) -> Any:
+        return await asyncio.wait_for(ref, self.timeout_s)
+
+
+def _resized(layout: Any, num_blocks: int) -> Any:
+    import dataclasses
+    return dataclasses.replace(layout, num_blocks=num_blocks)
+
+
+class TieredEngine:
+    """What an engine actor (ColocatedActor, EngineActor) adds for the KV tiers: a TierClient
+    when `kv_tiers` is given, started at its first use (an actor's __init__ cannot await)."""
+
+    loop: EngineLoop
+
+    def _init_tiers(self, kv_tiers: Any, timeout_s: float = 30.0) -> None:
+        self.tiers = None if kv_tiers is None else TierClient(self.loop, kv_tiers, timeout_s)
+        self._tiers_started: asyncio.Future | None = None
+
+    async def _tier_reuse(self, prompt_ids: list[int]) -> list[Block]:
+        """The prompt's prefix held (loaded from the tiers where worth it); [] with no
+        tiers. Release with `_tier_release` once the request holds its blocks."""
+        if self.tiers is None:
+            return []
+        if self._tiers_started is None:
+            self._tiers_started = asyncio.ensure_future(self.tiers.start())
+        try:
+            await asyncio.shield(self._tiers_started)
+        except Exception as e:  # noqa: BLE001 - off, not failed
+            log.warning("KV tiers off for this engine: %s", e)
+            self.tiers.state = TierState.OFF
+        return await self.tiers.reuse(prompt_ids)
+
+    def _tier_release(self, kept: list[Block]) -> None:
+        """Drop `_tier_reuse`'s references (queued on the engine thread, not waited for)."""
+        if kept:
+            asyncio.ensure_future(self.loop.call(lambda e: e.kv.release_blocks(kept)))
+
+    async def tier_stats(self) -> dict:
+        """This engine's tier counters (TierClient.stats) and the cost rule's rates."""
+        if self.tiers is None:
+            return {}
+        t = self.tiers
+        return {**t.stats, "state": t.state.value, "prefill_tokens_per_s": t.cost.prefill_tps,
+                "host_gbps": t.cost.gbps[Tier.HOST], "disk_gbps": t.cost.gbps[Tier.DISK]}
+
+    async def flush_tiers(self) -> int:
+        """Offload what the engine has freed now, not at the next tick (tests, drains);
+        returns how many blocks this engine has written down in all."""
+        if self.tiers is not None and self.tiers.state is TierState.ON:
+            await self.tiers._offload()
+            return self.tiers.stats["offloaded"]
+        return 0
