@@ -57,8 +57,9 @@ REPO = Path(__file__).resolve().parents[1]
 COLLECTIVE_KERNELS = ("push", "one_shot", "two_shot", "nccl")
 
 
-def collective_ms(llm, batch: int, context: int, steps: int = 8) -> dict:
-    """Rank 0's GPU time per decode step in collective kernels, by kind."""
+def collective_ms(llm, batch: int, context: int, steps: int = 8, top: int = 12) -> dict:
+    """Rank 0's GPU time per decode step in collective kernels, by kind, and its `top`
+    kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
@@ -74,7 +75,7 @@ def collective_ms(llm, batch: int, context: int, steps: int = 8) -> dict:
     kinds: dict[str, float] = {}
     calls: dict[str, float] = {}
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    ranked = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     for e in kernels:
         kind = next((k for k in COLLECTIVE_KERNELS if k in e.key.lower()), None)
         if kind is not None:
@@ -84,7 +85,7 @@ def collective_ms(llm, batch: int, context: int, steps: int = 8) -> dict:
             "total_ms_per_step": sum(kinds.values()),
             "kernel_ms_per_step": sum(e.self_device_time_total for e in kernels) / steps / 1e3,
             "top_kernels": [{"name": e.key[:70], "ms_per_step": e.self_device_time_total
-                             / steps / 1e3, "calls_per_step": e.count / steps} for e in top]}
+                             / steps / 1e3, "calls_per_step": e.count / steps} for e in ranked]}
 
 
 def run_one(args) -> dict:
@@ -134,7 +135,8 @@ def run_one(args) -> dict:
             res["decode"].append(row)
             # As it goes (on stderr), so that a run cut short keeps the rows done.
             print(json.dumps({"tp": tp, "decode": row}), file=sys.stderr, flush=True)
-    res["collectives"] = [collective_ms(llm, b, contexts[0]) for b in batches]
+    res["collectives"] = [collective_ms(llm, b, contexts[0], top=args.top_kernels)
+                          for b in batches]
     if args.prefill:
         n, length = (int(v) for v in args.prefill.split("x"))
         res["prefill"] = prefill(llm, n, length)
@@ -240,6 +242,8 @@ def main() -> None:
     ap.add_argument("--batches", default="64,128")
     ap.add_argument("--context", default="1024", help="contexts, each batch at each")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--top-kernels", type=int, default=12,
+                    help="kernels listed per batch, by GPU time per step")
     ap.add_argument("--prefill", default="8x2048", help="N x L, or empty for none")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")

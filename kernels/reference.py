@@ -101,6 +101,36 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rotate(q), rotate(k)
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleave: bool) -> torch.Tensor:
+    """DeepSeek's RoPE: x [T, ..., R] rotated by its token's cos, sin [T, R / 2] (fp32) on
+    pairs (x[2i], x[2i+1]) when `interleave`, else (x[i], x[i + R/2]); laid out
+    [a cos - b sin | b cos + a sin] either way, in x's dtype."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    xf = x.float()
+    a, b = (xf[..., 0::2], xf[..., 1::2]) if interleave else xf.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+
+
+def mla_rope_store_ref(q: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float, positions: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, interleave: bool, cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """kernels/mla_rope_store.py: q's RoPE parts (its last R values a head) rotated in place;
+    each token's [weight * rmsnorm(c), rotated k_pe] of kv [T, L + R] to its slot of the
+    latent cache [num_blocks, block_size, L + R]; negative slots skipped."""
+    latent, rope = norm_weight.shape[0], 2 * cos.shape[-1]
+    cos, sin = cos[positions], sin[positions]
+    q[..., -rope:] = rotate_pairs(q[..., -rope:], cos, sin, interleave)
+    c, _ = rms_norm_ref(kv[:, :latent], norm_weight, eps)
+    entries = torch.cat([c, rotate_pairs(kv[:, latent:], cos, sin, interleave)], dim=-1)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = cache.shape[1]
+    cache[slots // block_size, slots % block_size] = entries[keep].to(cache.dtype)
+
+
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2 * I] = [gate | up] -> [T, I] (HF LlamaMLP order)."""
     gate, up = gate_up.chunk(2, dim=-1)

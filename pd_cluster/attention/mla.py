@@ -30,19 +30,6 @@ from pd_cluster.attention.base import AttentionMetadata
 from pd_cluster.attention.torch_backend import gather_kv
 
 
-def store_latent(c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, kernel: bool = False) -> None:
-    """Write each new token's [c, k_pe] (c [T, L], k_pe [T, R]) to its cache slot. `kernel`:
-    kernels/mla_decode.py's store, which skips the negative slots of CUDA graphs' padding rows
-    (torch's indexing would wrap them to the last slot; eager steps have none)."""
-    if kernel:
-        from kernels.mla_decode import store_latent as store
-        store(c, k_pe, cache, slot_mapping)
-        return
-    rows = cache.view(-1, cache.shape[-1])
-    rows[slot_mapping] = torch.cat([c, k_pe], dim=-1).to(cache.dtype)
-
-
 def decode_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The absorbed attention of the first len(q_latent) sequences (one query token each):
@@ -62,8 +49,12 @@ def _decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     from kernels.mla_decode import mla_decode
     d = q_latent.shape[0]
-    return mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, meta.block_tables[:d],
-                      meta.seq_lens[:d], scale, max_seq_len=max(meta.seq_lens_cpu[:d]))
+    # The kernel takes any head and token strides: q_pe stays a view of the query, and the
+    # output is laid out [H, D, L] for the W_UV product that follows.
+    out = torch.empty(q_latent.shape[1], d, q_latent.shape[2], dtype=q_latent.dtype,
+                      device=q_latent.device).transpose(0, 1)
+    return mla_decode(q_latent, q_pe, cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
+                      max_seq_len=max(meta.seq_lens_cpu[:d]), out=out)
 
 
 def prefill_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -86,23 +77,23 @@ def prefill_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     return torch.einsum("hqs,hsv->qhv", scores.softmax(-1), v)
 
 
-def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,
-                  k_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
                   kernel: bool = False) -> torch.Tensor:
-    """Store the new tokens' latent entries, then attend every query token to its context
-    (module docstring). q_nope [T, H, N], q_pe [T, H, R] (rotated), c [T, L] (normalised),
-    k_pe [T, R] (rotated), cache [num_blocks, block_size, L + R], w_uk [H, N, L], w_uv
-    [H, V, L] -> [T, H, V] in q's dtype. `kernel`: decode with the Triton kernel."""
-    store_latent(c, k_pe, cache, meta.slot_mapping, kernel)
+    """Attend every query token to its context, the new tokens' entries already in the cache
+    (`write_latent`; module docstring). q_nope [T, H, N], q_pe [T, H, R] (rotated), cache
+    [num_blocks, block_size, L + R], w_uk [H, N, L], w_uv [H, V, L] -> [T, H, V] in q's
+    dtype. `kernel`: decode with the Triton kernel."""
     t, h = q_nope.shape[:2]
     out = torch.empty(t, h, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
     d = meta.num_decode_tokens
     if d:
-        q_latent = torch.einsum("thn,hnl->thl", q_nope[:d], w_uk)
+        # Batched over heads: [H, D, N] @ [H, N, L], both views, no copies.
+        q_latent = torch.bmm(q_nope[:d].transpose(0, 1), w_uk).transpose(0, 1)
         decode = _decode_triton if kernel else decode_reference
         o_latent = decode(q_latent, q_pe[:d], cache, meta, scale)
-        out[:d] = torch.einsum("thl,hvl->thv", o_latent.to(w_uv.dtype), w_uv)
+        out[:d] = torch.bmm(o_latent.to(w_uv.dtype).transpose(0, 1),
+                            w_uv.transpose(1, 2)).transpose(0, 1)
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         out[start:end] = prefill_expanded(q_nope[start:end], q_pe[start:end], cache,

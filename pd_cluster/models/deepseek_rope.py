@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.reference import rotate_pairs
 from pd_cluster.models.deepseek_config import yarn_mscale
 from pd_cluster.models.layers import rope_inv_freq
 
@@ -63,8 +64,4 @@ class DeepseekRotary(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, ..., R], positions [T] -> rotated x (computed in fp32, returned in x's
         dtype)."""
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
-        cos, sin = self.cos[positions].view(shape), self.sin[positions].view(shape)
-        xf = x.float()
-        a, b = (xf[..., 0::2], xf[..., 1::2]) if self.interleave else xf.chunk(2, dim=-1)
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+        return rotate_pairs(x, self.cos[positions], self.sin[positions], self.interleave)

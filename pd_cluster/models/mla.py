@@ -7,7 +7,8 @@ pd_cluster/attention/mla.py's attention over the latent KV cache.
     o        = attend(q, cached [c, k_pe])        [T, H, V] (kv_b_proj's W_UK and W_UV inside)
     out      = o_proj(o)
 
-RoPE runs here, on q_pe and k_pe only (DeepSeek's decoupled RoPE), before the store: the
+RoPE runs here, on q_pe and k_pe only (DeepSeek's decoupled RoPE), with the norm of c and the
+store (`_write_latent`: one kernel on the Triton backend, kernels/mla_rope_store.py): the
 Llama backends' fused rope-and-store does not apply to a latent entry.
 
 Tensor parallel: query heads split over the ranks (q_proj / q_b_proj, kv_b_proj by whole
@@ -81,18 +82,33 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent)
         return w[:, :self.nope], w[:, self.nope:]
 
+    def _write_latent(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                      rope: DeepseekRotary, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      kernel: bool) -> None:
+        """q [T, H, N + R] gets its q_pe rotated in place; kv [T, L + R] becomes each new
+        token's cache entry [kv_a_layernorm(c), rotated k_pe] at its slot. `kernel`:
+        kernels/mla_rope_store.py does it all in one launch and skips the negative slots of
+        CUDA graphs' padding rows (eager steps have none)."""
+        if kernel:
+            from kernels.mla_rope_store import mla_rope_store as write
+        else:
+            from kernels.reference import mla_rope_store_ref as write
+        norm = self.kv_a_layernorm
+        write(q, kv, norm.weight, norm.eps, positions, rope.cos, rope.sin, rope.interleave,
+              cache, slot_mapping)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: DeepseekRotary,
                 ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] -> this rank's part of o_proj's output [T, hidden]."""
         t = x.shape[0]
         q = self._queries(x).view(t, self.num_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope_dim], dim=-1)
-        c = self.kv_a_layernorm(c.contiguous())
-        q_pe, k_pe = rope(positions, q_pe), rope(positions, k_pe)
-        w_uk, w_uv = self.absorbed_weights()
         cache = ctx.kv_cache[self.layer_idx, 0].squeeze(-2)     # [blocks, block_size, L + R]
-        # The Triton backend decodes with kernels/mla_decode.py (on a CPU: its interpreter).
-        o = mla_attention(q_nope, q_pe, c, k_pe, cache, ctx.attn, w_uk, w_uv, self.scale,
-                          kernel=ctx.backend.name == "triton")
+        # The Triton backend runs kernels/mla_rope_store.py and mla_decode.py (on a CPU: the
+        # interpreter).
+        kernel = ctx.backend.name == "triton"
+        self._write_latent(q, self.kv_a_proj_with_mqa(x), positions, rope, cache,
+                           ctx.attn.slot_mapping, kernel)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        w_uk, w_uv = self.absorbed_weights()
+        o = mla_attention(q_nope, q_pe, cache, ctx.attn, w_uk, w_uv, self.scale, kernel)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))

@@ -20,7 +20,9 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.mla_decode import mla_decode, mla_decode_ref, store_latent  # noqa: E402
+from kernels.mla_decode import mla_decode, mla_decode_ref  # noqa: E402
+from kernels.mla_rope_store import mla_rope_store  # noqa: E402
+from kernels.reference import mla_rope_store_ref  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else torch.bfloat16
@@ -71,6 +73,7 @@ def test_mla_decode_matches_reference(block_size, num_heads, num_splits):
     ([70, 5], 16, 24, dict(block_n=64, num_splits=2)),   # half a head block; tile = 4 blocks
     ([100, 33, 17], 64, 32, dict(block_h=32, block_n=32, num_splits=2)),  # tile < block
     ([300, 90], 16, 16, {}),                             # the launcher picks the splits
+    ([70, 5, 33], 16, 16, dict(prefetch=True, num_splits=2)),  # next tile loaded ahead
 ])
 def test_mla_decode_shapes_and_knobs(seq_lens, block_size, num_heads, knobs):
     check_mla(seq_lens, block_size, num_heads, latent=64, rope=16, **knobs)
@@ -115,21 +118,31 @@ def test_mla_decode_empty_batch_launches_nothing():
     assert out.shape == (0, 16, 64)
 
 
-def test_store_latent_writes_each_row_to_its_slot_and_skips_negative_slots():
-    # Odd widths (masked), a cache whose rows are padded apart, and a CUDA graph's padding
-    # rows (slot -1), which must leave the cache's last slot alone.
-    latent, rope, block_size = 40, 10, 16
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_store_equals_the_unfused_ops_and_skips_negative_slots(interleave):
+    # Odd latent width (masked), 3 heads (a padded head block), a cache whose rows are padded
+    # apart, and a CUDA graph's padding rows (slot -1), which must leave the cache alone.
+    heads, nope, latent, rope, block_size, t = 3, 8, 40, 16, 16, 5
     cache, _ = paged_latent_cache([64], block_size, latent + rope, pad=6)
     cache.zero_()
-    c = torch.randn(5, latent, dtype=DTYPE, device=DEVICE)
-    k_pe = torch.randn(5, rope, dtype=DTYPE, device=DEVICE)
+    q = torch.randn(t, heads, nope + rope, dtype=DTYPE, device=DEVICE)
+    kv = torch.randn(t, latent + rope, dtype=DTYPE, device=DEVICE) * 3
+    weight = torch.randn(latent, dtype=DTYPE, device=DEVICE)
+    positions = torch.tensor([0, 7, 3, 100, 2], device=DEVICE)
+    angles = torch.outer(torch.arange(128.0), torch.rand(rope // 2) * 0.5).to(DEVICE)
     slots = torch.tensor([17, 3, -1, 40, -1], device=DEVICE)
-    store_latent(c, k_pe, cache, slots)
-    want = torch.zeros_like(cache)
-    for i, s in enumerate(slots.tolist()):
-        if s >= 0:
-            want[s // block_size, s % block_size] = torch.cat([c[i], k_pe[i]])
-    assert torch.equal(cache, want)
+    want_q, want_cache = q.clone(), cache.clone()
+    mla_rope_store_ref(want_q, kv, weight, 1e-6, positions, angles.cos(), angles.sin(),
+                       interleave, want_cache, slots)
+    mla_rope_store(q, kv, weight, 1e-6, positions, angles.cos(), angles.sin(), interleave,
+                   cache, slots)
+    torch.testing.assert_close(q, want_q, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(cache, want_cache, atol=TOL, rtol=TOL)
+    assert torch.equal(q[..., :nope], want_q[..., :nope])      # q_nope untouched
+    written = {17, 3, 40}
+    for s in range(64):
+        if s not in written:
+            assert not cache[s // block_size, s % block_size].any()
 
 
 # The launcher's own constexprs at DeepSeek's widths and the engine's block size, bf16, PDL on
@@ -141,7 +154,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import decode_attention, mla_decode as mla
+from kernels import decode_attention, mla_decode as mla, mla_rope_store
 
 latent, rope, page = 512, 64, 16
 ints = {"qk_scale": "fp32"}
@@ -151,10 +164,11 @@ def compile_kernel(fn, const, options, fp32=()):
     # pointers bf16 but the int32 tables and the `fp32` scratch
     sig = {a: ("*bf16" if a[0].isupper() else ints.get(a, "i32")) for a in fn.arg_names}
     sig.update({a: "*i32" for a in ("BlockTables", "SeqLens") if a in sig})
+    sig.update({a: "*i64" for a in ("Positions", "Slots") if a in sig})
     sig.update({a: "*fp32" for a in fp32})
     sig.update({a: "constexpr" for a in const})
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
-               if t.startswith("*") and a not in ("BlockTables", "SeqLens")}
+               if t.startswith("*") and a not in ("BlockTables", "SeqLens", "Positions", "Slots")}
     src = ASTSource(fn, sig, constexprs=const, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -185,6 +199,12 @@ kernel = compile_kernel(stage2, {"HEAD_DIM": latent, "BLOCK_D": meta["BLOCK_L"],
                                  "BLOCK_N": meta["BLOCK_N"], "OUT_FP8": False, "PDL": True},
                         {"num_warps": 4, "launch_pdl": True}, ("PartialOut", "PartialLse"))
 out["stage2"] = usage(kernel)
+fn = mla_rope_store._mla_rope_store_kernel
+ints.update({"eps": "fp32"})
+const = {"NUM_HEADS": 16, "NOPE": 128, "LATENT": latent, "HALF": rope // 2, "PAGE_SIZE": page,
+         "BLOCK_H": 16, "BLOCK_L": latent, "INTERLEAVE": True, "PDL": True}
+kernel = compile_kernel(fn, const, {"num_warps": 4, "launch_pdl": True}, ("Cos", "Sin"))
+out["rope_store"] = usage(kernel)
 print(json.dumps(out))
 """
 
@@ -197,7 +217,7 @@ def test_mla_kernels_compile_for_sm90_in_bf16():
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(kernels) == {f"h{h}_stage1_direct_{d}" for h in (16, 128)
-                            for d in (True, False)} | {"stage2"}, kernels
+                            for d in (True, False)} | {"stage2", "rope_store"}, kernels
     # No spills (kernels/mla_decode.py's launch defaults say what spills), and shared memory for two
     # programs an SM (228 KiB on an H100/H200): the loads of one hide the other's math.
     assert all(k["stack"] == 0 for k in kernels.values()), kernels

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.attention.base import AttentionMetadata
-from pd_cluster.attention.mla import decode_reference, prefill_expanded, store_latent
+from pd_cluster.attention.mla import decode_reference, prefill_expanded
 from pd_cluster.config import ModelConfig
 from pd_cluster.models.deepseek_config import GroupedRouting
 from pd_cluster.models.deepseek_moe import grouped_topk
@@ -118,7 +118,7 @@ def test_absorbed_decode_equals_expanded_attention():
     table = torch.tensor([[5, 2, 0]], dtype=torch.int32)
     slots = torch.tensor([table[0, p // block_size] * block_size + p % block_size
                           for p in range(seq_len)])
-    store_latent(torch.randn(seq_len, latent), torch.randn(seq_len, rope), cache, slots)
+    cache.view(-1, latent + rope)[slots] = torch.randn(seq_len, latent + rope)
     w_uk, w_uv = torch.randn(heads, nope, latent) * 0.2, torch.randn(heads, v_dim, latent) * 0.2
     q_nope, q_pe = torch.randn(1, heads, nope), torch.randn(1, heads, rope)
     meta = AttentionMetadata(slots[-1:], torch.tensor([0, 1]), torch.tensor([seq_len]), table,
