@@ -118,6 +118,7 @@ class PrefillTimes:
     wall_offset: float             # time.time() - time.monotonic() on P
     transport: str                 # the KV transport's name
     layers: int                    # KV layers moved
+    grammar: tuple[float, float] | None = None   # P's engine got it, its grammar was built
 
 
 @dataclass(frozen=True, slots=True)

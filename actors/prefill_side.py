@@ -93,12 +93,13 @@ class PrefillSide:
         landed = time.monotonic()
         self.stages.append((request_id, called, sent.prefilled, sent.started, landed))
         host.end.count(sent.kv_bytes, landed - sent.started)
-        times = sent.last.engine_times
+        times = sent.last.engine_times or (None,) * 5
         return PrefillResult(StreamDelta.first_token(sent.last), sent.kv, sent.kv_bytes,
                              landed - sent.started, PrefillTimes(
-                                 called, times[1] if times else None, sent.prefilled,
-                                 sent.started, landed, time.time() - time.monotonic(),
-                                 host.end.descriptor.backend, host.end.layout.num_layers))
+                                 called, times[1], sent.prefilled, sent.started, landed,
+                                 time.time() - time.monotonic(), host.end.descriptor.backend,
+                                 host.end.layout.num_layers,
+                                 None if times[4] is None else (times[0], times[4])))
 
     async def _first_output(self, request_id: str, prompt_ids: list[int],
                             params: SamplingParams) -> RequestOutput:

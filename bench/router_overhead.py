@@ -3,7 +3,7 @@ called directly, interleaved on one deployment; prints JSON (and writes it with 
 
     python -m bench.router_overhead [--config configs/pd.yaml] [--requests 200]
         [--set mode=colocated] [--set engine.dtype=bfloat16] [--max-seconds 170]
-        [--ingress haproxy|proxy] [--http-port PORT] [-o out.json]
+        [--ingress haproxy|proxy] [--http-port PORT] [--tracing-ab] [-o out.json]
 
 One Serve application is deployed (`build_app(args)` on a free loopback port, which stands
 for the shipped port 8000: HAProxy listens there, or with --ingress proxy Serve's Python
@@ -17,6 +17,12 @@ rotating order so no path always follows the same one:
              to its first output (direct_first: disaggregated, the prefill side's answer)
     health   GET /health: the Serve floor (proxy → router replica → FastAPI, no engine)
     ping     one actor call to the decode replica (`load`): the Ray round trip
+    http_traced  (--tracing-ab) the http request with request tracing on (router/tracing.py:
+             every span built and written to a span file); `http` is then the same request
+             with it off. The app runs with `tracing:` enabled, and the bench switches the
+             router replica's tracer off and on around this path (an actor call, untimed), so
+             that off and on are interleaved on one deployment; off is exactly the disabled
+             config's path (no tracer: `OpenAIServing.tracing` None)
 
 Requests are sequential, so differences are per-request costs, not queueing. Both paths see
 the same replicas, caches and machine noise; the paired difference (http − direct of one
@@ -56,12 +62,14 @@ from router.app import build_app
 from router.app_config import AppConfig
 from router.control.model import model_dir
 from router.routing import RoutingInputs, make_policy
+from router.tracing import EXPORT_EVERY_MS, off_path_us
 
 ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = "The capital of France is"
 PATHS = ("http", "direct", "health", "ping")
 SERIES = ("http", "direct", "direct_first", "health", "ping")
+TRACED = "http_traced"
 WARMUP_ROUNDS = 5
 GC_EVERY = 20           # rounds between explicit collections (outside the timed requests)
 SHUTDOWN_S = 15         # kept from --max-seconds for stopping Serve and Ray
@@ -185,8 +193,61 @@ class DirectPath:
         return {"ping": time.perf_counter() - start}
 
 
+def _replica_serving(replica: Any) -> Any:
+    """Runs in the router replica: its OpenAIServing, found by a walk through attributes (as
+    bench.serving_bench's _replica_client finds its client)."""
+    from router.serving import OpenAIServing
+    frontier, seen = [replica], set()
+    for _ in range(8):
+        for obj in frontier:
+            if isinstance(obj, OpenAIServing):
+                return obj
+        nxt = []
+        for obj in frontier:
+            for value in getattr(obj, "__dict__", {}).values():
+                if id(value) not in seen and hasattr(value, "__dict__"):
+                    seen.add(id(value))
+                    nxt.append(value)
+        frontier = nxt
+    raise RuntimeError("no OpenAIServing in the router replica")
+
+
+def _set_tracing(replica: Any, on: bool) -> bool:
+    """Runs in the router replica: its tracer on (the one the config made) or off (None, as
+    with tracing disabled); True if it has one to turn on."""
+    serving = _replica_serving(replica)
+    if not hasattr(serving, "bench_tracer"):
+        serving.bench_tracer = serving.tracing
+    serving.tracing = serving.bench_tracer if on else None
+    return serving.bench_tracer is not None
+
+
+class TracedPath:
+    """The http request with the router replica's tracing switched on for it alone."""
+
+    def __init__(self, http_path: HTTPPath, timeout_s: float) -> None:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(f"SERVE_REPLICA::{APP}#OpenAIRouter#")]
+        self.replica = ray.get_actor(names[0], namespace="serve")
+        self.http_path, self.timeout_s = http_path, timeout_s
+        if not self._switch(False):
+            raise RuntimeError("--tracing-ab: the router replica has no tracer")
+
+    def _switch(self, on: bool) -> bool:
+        return ray.get(self.replica.__ray_call__.remote(_set_tracing, on),
+                       timeout=self.timeout_s)
+
+    def timed(self) -> dict[str, float]:
+        self._switch(True)
+        try:
+            return {TRACED: self.http_path.timed("POST", "/v1/completions")}
+        finally:
+            self._switch(False)
+
+
 async def measure(http_path: HTTPPath, direct: DirectPath, rounds: int,
-                  deadline: float) -> tuple[dict[str, list[float]], float]:
+                  deadline: float, traced: TracedPath | None = None
+                  ) -> tuple[dict[str, list[float]], float]:
     """Warm-up, then up to `rounds` rounds of every path in rotating order, until the
     monotonic `deadline`. Returns the samples per series and the measuring time."""
     timers: dict[str, Callable[[], Any]] = {
@@ -195,15 +256,18 @@ async def measure(http_path: HTTPPath, direct: DirectPath, rounds: int,
         "health": lambda: {"health": http_path.timed("GET", "/health")},
         "ping": direct.ping,
     }
+    paths = PATHS
+    if traced is not None:
+        timers[TRACED], paths = traced.timed, (*PATHS, TRACED)
 
     async def run(name: str) -> dict[str, float]:
         result = timers[name]()
         return await result if asyncio.iscoroutine(result) else result
 
     for _ in range(WARMUP_ROUNDS):
-        for name in PATHS:
+        for name in paths:
             await run(name)
-    samples: dict[str, list[float]] = {name: [] for name in SERIES}
+    samples: dict[str, list[float]] = {name: [] for name in (*SERIES, *paths)}
     gc.collect()
     gc.disable()   # collections come between rounds, not inside a timed request
     start = time.monotonic()
@@ -211,7 +275,7 @@ async def measure(http_path: HTTPPath, direct: DirectPath, rounds: int,
         for i in range(rounds):
             if time.monotonic() > deadline:
                 break
-            order = PATHS[i % len(PATHS):] + PATHS[:i % len(PATHS)]
+            order = paths[i % len(paths):] + paths[:i % len(paths)]
             for name in order:
                 for series, seconds in (await run(name)).items():
                     samples[series].append(seconds)
@@ -222,8 +286,23 @@ async def measure(http_path: HTTPPath, direct: DirectPath, rounds: int,
     return samples, time.monotonic() - start
 
 
+def tracing_report(samples: dict[str, list[float]], spans_file: Path) -> dict[str, Any]:
+    """On against off: the traced request's series, its overhead over direct, the paired
+    difference on − off of each round, the spans written, and the off path's own cost."""
+    spans = spans_file.read_text().splitlines() if spans_file.exists() else []
+    return {TRACED: summary(samples[TRACED]),
+            "overhead_traced_ms": overhead(samples[TRACED], samples["direct"]),
+            "tracing_cost_ms": overhead(samples[TRACED], samples["http"]),
+            "spans_written": len(spans),
+            "traces_written": len({json.loads(s)["trace_id"] for s in spans}),
+            "off_path_us": off_path_us()}
+
+
 def run_bench(args: dict[str, Any], opts: argparse.Namespace, deadline: float
               ) -> dict[str, Any]:
+    spans_file = Path(f"/tmp/pd-router-overhead-spans-{os.getpid()}.jsonl")
+    if opts.tracing_ab:     # the app's tracer, switched per request by TracedPath
+        args = {**args, "tracing": {"enabled": True, "file": str(spans_file)}}
     config = AppConfig.from_args(args)
     port = free_port()
     t0 = time.monotonic()
@@ -233,10 +312,11 @@ def run_bench(args: dict[str, Any], opts: argparse.Namespace, deadline: float
     ids = load_tokenizer(model_dir(config)).encode(PROMPT)
     body = {"model": config.engine.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     http_path = HTTPPath(opts.http_port or port, body, opts.request_timeout)
+    traced = TracedPath(http_path, opts.request_timeout) if opts.tracing_ab else None
     try:
         samples, measured_s = asyncio.run(measure(
             http_path, DirectPath(client, config, ids, opts.request_timeout),
-            opts.requests, deadline))
+            opts.requests, deadline, traced))
     finally:
         http_path.close()
     rounds = len(samples["http"])
@@ -249,6 +329,10 @@ def run_bench(args: dict[str, Any], opts: argparse.Namespace, deadline: float
               "measure_s": round(measured_s, 1),
               **{name: summary(samples[name]) for name in SERIES},
               "overhead_ms": overhead(samples["http"], samples["direct"])}
+    if traced is not None:
+        time.sleep(2 * EXPORT_EVERY_MS / 1000)      # the last spans' batch
+        report["tracing"] = tracing_report(samples, spans_file)
+        spans_file.unlink(missing_ok=True)
     if opts.raw:
         report["samples_ms"] = {k: [round(1000 * s, 3) for s in v] for k, v in samples.items()}
     return report
@@ -272,6 +356,9 @@ def main() -> None:
                         help="override an app arg, e.g. --set mode=colocated; dotted keys "
                              "reach nested ones: --set engine.dtype=bfloat16")
     parser.add_argument("--raw", action="store_true", help="include every sample")
+    parser.add_argument("--tracing-ab", action="store_true",
+                        help="also time the http request with request tracing on, "
+                             "interleaved with it off (see http_traced above)")
     parser.add_argument("-o", "--output", default=None, help="also write the JSON here")
     opts = parser.parse_args()
     args = set_args(yaml.safe_load(Path(opts.config).read_text())["applications"][0]["args"],

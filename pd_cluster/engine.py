@@ -181,6 +181,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, eos_token_ids=frozenset(eos))
         if params.grammar is not None:    # built now: a grammar it cannot use is refused
             req.grammar_state = GrammarState.start(self.runner.grammar.vocab, params.grammar)
+            req.grammar_time = time.monotonic()   # a request trace's grammar.compile ends here
         return req
 
     def _tokenize(self, prompt: Prompt) -> list[int]:

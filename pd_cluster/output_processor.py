@@ -98,7 +98,7 @@ class OutputProcessor:
                              max(req.num_cached_tokens, 0), delta, delta_ids, req.error, ttft,
                              req.spec_proposed_tokens, req.spec_accepted_tokens,
                              (req.arrival_time, req.scheduled_time, req.first_token_time,
-                              time.monotonic()) if finished else None)
+                              time.monotonic(), req.grammar_time) if finished else None)
 
     def finalize(self, req: Request) -> RequestOutput:
         """The last output of a finished request; forgets its streaming state."""

@@ -35,6 +35,7 @@ class RequestOutput:
     # Speculative decoding (pd_cluster/spec_decode/): draft tokens verified, and kept.
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
-    # A finished output's (arrival, first scheduled, first token, now) monotonic stamps in this
-    # engine (None where not yet): the engine's stages of a request trace (router/tracing.py).
-    engine_times: tuple[float, float | None, float | None, float] | None = None
+    # A finished output's (arrival, first scheduled, first token, now, grammar matcher built)
+    # monotonic stamps in this engine (None where not yet or not at all): the engine's stages
+    # of a request trace (router/tracing.py).
+    engine_times: tuple[float, float | None, float | None, float, float | None] | None = None

@@ -66,6 +66,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None   # monotonic, when its first token was output
     scheduled_time: float | None = None     # monotonic, when first scheduled: its queue's end
+    grammar_time: float | None = None       # monotonic, when its grammar's matcher was built
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -164,6 +164,8 @@ class DisaggregatedClient:
                 attempt = Attempt.start(request_id, number, d_id,
                                         self.table.actors[Role.DECODE][d_id], route.prefill_id)
                 attempt.trace = job
+                if job is not None:
+                    job.dispatching(time.monotonic())
                 self._attempts[request_id] = attempt
                 prompt, left = prompt_token_ids + acc.token_ids, _rest(params, acc.token_ids)
                 try:

@@ -22,10 +22,11 @@ Lifecycle:
     replica exit          the provider's atexit flush
 Span tree of a disaggregated request (attribute `pd.process`: router | prefill-N | decode-N):
     {operation} {model} (root: gen_ai.* attributes) ─┬ router.preprocess ─ grammar.compile
-                                                     ├ router.route
+                                                     ├ router.route, router.dispatch
                                                      ├ prefill ─ prefill.queue, prefill.compute,
-                                                     │           kv.transfer
-                                                     ├ decode.landing, decode.queue, decode
+                                                     │           kv.transfer, grammar.compile
+                                                     ├ decode.landing, decode.queue, decode,
+                                                     │ grammar.compile (D's own matcher)
                                                      └ migration (D died; the next attempt's
                                                        spans follow)
 """
@@ -178,6 +179,7 @@ class JobTrace:
     def __init__(self, trace: RequestTrace, request_id: str) -> None:
         self.trace, self.request_id = trace, request_id
         self.landed: tuple[int, float] | None = None     # (ns, D's offset) of the last landing
+        self.dispatched: float | None = None    # this attempt began: D's stream, reservation
         # (prompt index, its tokens, output tokens, finish reason) once it is done
         self.usage: tuple[int, int, int, Any] | None = None
         self._n = 0
@@ -195,11 +197,20 @@ class JobTrace:
                    "pd.route.prefill": -1 if prefill_id is None else prefill_id,
                    "pd.route.decode": decode_id})
 
+    def dispatching(self, began: float) -> None:
+        """An attempt begins: until P's call, the router opens D's stream and asks D to
+        reserve the prompt's blocks (router.dispatch)."""
+        self.dispatched = began
+
     def prefill(self, p_id: int, d_id: int, called: float, answered: float, result: Any,
                 error: BaseException | None = None) -> None:
         """P's prefill call as the router made it, with P's own stages (`result.times`,
         actors.messages.PrefillTimes) inside: its queue, its compute, the KV transfer."""
         trace, key, process = self.trace, self._key("prefill"), f"prefill-{p_id}"
+        if self.dispatched is not None:
+            trace.add("router.dispatch", _ns(self.dispatched, trace.offset),
+                      _ns(called, trace.offset), {"pd.process": ROUTER})
+            self.dispatched = None
         trace.add("prefill", _ns(called, trace.offset), _ns(answered, trace.offset),
                   {"pd.process": process, "pd.request_id": self.request_id}, key=key,
                   error=None if error is None else str(error).strip()[-300:] or repr(error))
@@ -209,6 +220,8 @@ class JobTrace:
         o, own = t.wall_offset, {"pd.process": process}
         scheduled = t.scheduled if t.scheduled is not None else t.called
         trace.add("prefill.queue", _ns(t.called, o), _ns(scheduled, o), own, key)
+        if t.grammar is not None:   # P's engine built the request's grammar matcher
+            trace.add("grammar.compile", _ns(t.grammar[0], o), _ns(t.grammar[1], o), own, key)
         trace.add("prefill.compute", _ns(scheduled, o), _ns(t.prefilled, o), own, key)
         seconds = max(t.landed - t.started, 1e-9)
         trace.add("kv.transfer", _ns(t.started, o), _ns(t.landed, o), {
@@ -232,12 +245,15 @@ class JobTrace:
         trace, process = self.trace, {"pd.process": f"decode-{d_id}"}
         if engine_times is None or engine_times[2] is None:
             return
-        arrival, scheduled, first, _ = engine_times
+        arrival, scheduled, first, _, grammar = engine_times
         if self.landed is not None:
             landed, o = self.landed
             trace.add("decode.queue", landed, max(landed, _ns(first, o)), process)
         else:   # local prefill on D: D's clock is taken to be the router's (one node)
             o = trace.offset
+        if grammar is not None:     # D's engine built its own matcher (at its reservation)
+            trace.add("grammar.compile", _ns(arrival, o), _ns(grammar, o), process)
+        if self.landed is None:
             scheduled = scheduled if scheduled is not None else arrival
             trace.add("decode.queue", _ns(arrival, o), _ns(scheduled, o), process)
             trace.add("decode.prefill", _ns(scheduled, o), _ns(first, o), process)
@@ -325,3 +341,33 @@ class SpanFile:
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
+
+
+def off_path_us(n: int = 20000) -> dict[str, float]:
+    """What tracing off costs a request in this process (bench/router_overhead.py reports
+    it): `traced` around the handler's coroutine and the P/D client's one CURRENT lookup,
+    against awaiting the coroutine bare; microseconds per request, best of three."""
+    import asyncio
+
+    async def body() -> dict:
+        return {}
+
+    async def bare() -> None:
+        for _ in range(n):
+            await body()
+
+    async def hooked() -> None:
+        for _ in range(n):
+            await traced(None, "text_completion", "m", None, body())
+            CURRENT.get()
+
+    def best(run: Any) -> float:
+        times = []
+        for _ in range(3):
+            began = time.perf_counter()
+            asyncio.run(run())
+            times.append(time.perf_counter() - began)
+        return min(times) / n * 1e6
+    plain, off = best(bare), best(hooked)
+    return {"bare_us": round(plain, 3), "off_us": round(off, 3),
+            "cost_us": round(off - plain, 3)}

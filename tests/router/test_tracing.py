@@ -3,12 +3,14 @@ issue 48: the real `serve run configs/pd.yaml` (disaggregated, 1 P + 1 D, NIXL o
 with `tracing:` on, exporting over the real OTLP/HTTP exporter to a collector in this test
 (a tiny HTTP server decoding the protobuf export) and to a span file, which `pd-cluster
 trace` turns into Perfetto's JSON. One serve app checks everything at once: it costs most of
-a minute to start on 2 cores.
+a minute to start on 2 cores. The quick tests below it: the dashboard's transfer panels
+against the exported metric names, the transfer labels' bounds, the trace JSON of a file.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -18,17 +20,19 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pd_cluster.cli import main as cli_main
+from pd_cluster.trace_events import trace_events
+from router.transfer_metrics import MAX_PAIR_REPLICAS, TransferMetrics, cause_of, pair
+from tests.support import REPO
 from tests.support.serve_run import metrics_of, serve_run
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.serve
-
 # The stages of a disaggregated request that follow each other, router to D: their
 # durations add up to the root span's (the request in the router).
-CHAIN = ("router.preprocess", "router.route", "prefill", "decode.landing", "decode.queue",
-         "decode")
+CHAIN = ("router.preprocess", "router.route", "router.dispatch", "prefill", "decode.landing",
+         "decode.queue", "decode")
 P_STAGES = ("prefill.queue", "prefill.compute", "kv.transfer")
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 SPANS_WITHIN_S = 30.0       # the exporter's batch goes out every second
@@ -152,6 +156,7 @@ def _check_trace(spans: list[dict], client_span: str, usage: dict, latency: floa
             "client_ms": round(latency * 1e3, 1)}
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(900)
 def test_one_trace_per_request(traced_server, tmp_path):
     url, collector, spans_file = traced_server
@@ -163,7 +168,8 @@ def test_one_trace_per_request(traced_server, tmp_path):
         "messages": [{"role": "user", "content": "Name a city as JSON."}],
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "city", "schema": SCHEMA}}})
-    wanted = {plain[0]: len(CHAIN) + len(P_STAGES), grammar[0]: len(CHAIN) + len(P_STAGES) + 1}
+    # + grammar.compile in the router, on P and on D (each builds its own matcher)
+    wanted = {plain[0]: len(CHAIN) + len(P_STAGES), grammar[0]: len(CHAIN) + len(P_STAGES) + 3}
 
     def spans_of(trace_id: str) -> list[dict]:
         with collector.lock:
@@ -174,9 +180,15 @@ def test_one_trace_per_request(traced_server, tmp_path):
     for (trace_id, client_span, body, latency) in (plain, grammar):
         figures[trace_id] = _check_trace(spans_of(trace_id), client_span, body["usage"],
                                          latency)
-    compile_span = next(s for s in spans_of(grammar[0]) if s["name"] == "grammar.compile")
-    preprocess = next(s for s in spans_of(grammar[0]) if s["name"] == "router.preprocess")
-    assert compile_span["parent_id"] == preprocess["span_id"]
+    spans = spans_of(grammar[0])
+    compiles = {s["attrs"]["pd.process"]: s for s in spans if s["name"] == "grammar.compile"}
+    parents = {s["name"]: s["span_id"] for s in spans
+               if s["name"] in ("router.preprocess", "prefill")}
+    root = next(s for s in spans if s["parent_id"] == grammar[1])
+    assert set(compiles) == {"router", "prefill-0", "decode-0"}
+    assert compiles["router"]["parent_id"] == parents["router.preprocess"]
+    assert compiles["prefill-0"]["parent_id"] == parents["prefill"]
+    assert compiles["decode-0"]["parent_id"] == root["span_id"]
     print("trace figures:", json.dumps(figures))
 
     # Per-transfer metrics: both requests' handovers, labelled by transport and pair.
@@ -199,4 +211,48 @@ def test_one_trace_per_request(traced_server, tmp_path):
     png = os.environ.get("PD_TRACE_PNG")     # docs/: `PD_TRACE_PNG=docs/trace.png pytest ...`
     if png:
         from pd_cluster.trace_events import load_spans, render_png
-        render_png(load_spans(spans_file), png, plain[0])
+        render_png(load_spans(spans_file), png, grammar[0])
+
+
+# -- quick ---------------------------------------------------------------------------------
+
+def test_dashboard_transfer_panels_query_the_exported_metrics():
+    dashboard = json.loads((REPO / "helm" / "dashboards" / "pd-cluster.json").read_text())
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    panels = [p for p in dashboard["panels"] if p["title"].startswith("KV transfer")
+              and p["id"] != 7]
+    assert len(panels) == 4 and all(p["targets"] for p in panels)
+    registry = CollectorRegistry()
+    metrics = TransferMetrics(registry)
+    metrics.observe("nixl", 0, 1, 1 << 20, 0.01)
+    metrics.fail("nixl", 0, 1, TimeoutError("timed out"))
+    names = {line.split("{")[0].split(" ")[0] for line in
+             generate_latest(registry).decode().splitlines() if line and line[0] != "#"}
+    for p in panels:
+        for t in p["targets"]:
+            (pattern,) = re.findall(r'__name__=~"([^"]+)"', t["expr"])
+            assert any(re.fullmatch(pattern, n) for n in names), t["expr"]
+            assert any(re.fullmatch(pattern, f"ray_{n}") for n in names), t["expr"]
+
+
+def test_transfer_labels_stay_bounded():
+    assert pair(0, 3) == "p0-d3" and pair(None, 3) == "other"
+    assert pair(MAX_PAIR_REPLICAS, 0) == "other"
+    assert cause_of(RuntimeError("request x: reservation expired")) == "expired"
+    assert cause_of(TimeoutError()) == "timeout"
+    assert cause_of(RuntimeError("q0: the decode replica had no room to reserve KV")) == "no_room"
+    assert cause_of(RuntimeError("disk on fire")) == "error"
+
+
+def test_trace_events_put_each_process_on_its_own_lane():
+    def span(name, sid, parent, start, end, process):
+        return {"trace_id": "ab" * 16, "span_id": sid, "parent_id": parent, "name": name,
+                "start_ns": start, "end_ns": end, "attributes": {"pd.process": process}}
+    spans = [span("chat m", "1", None, 0, 10_000_000, "router"),
+             span("prefill", "2", "1", 1_000_000, 5_000_000, "prefill-0"),
+             span("decode", "3", "1", 5_000_000, 9_000_000, "decode-0")]
+    events = trace_events(spans)["traceEvents"]
+    lanes = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+    assert list(lanes) == ["router", "prefill-0", "decode-0"]
+    prefill = next(e for e in events if e["name"] == "prefill")
+    assert (prefill["ts"], prefill["dur"], prefill["tid"]) == (1000.0, 4000.0, 2)
