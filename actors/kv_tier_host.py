@@ -85,11 +85,12 @@ class HostTier(DistributedKVCache):
                 both += 1
         return host, both
 
-    def promote(self, keys: Sequence[Key]) -> int:
+    def promote(self, keys: Sequence[Key]) -> tuple[int, int]:
         """Read the disk tier's blocks of the longest prefix of `keys` held in either tier
-        into host memory; returns how many keys, from the first, host memory holds now."""
+        into host memory; returns (how many keys, from the first, host memory holds now,
+        how many blocks this call read from disk)."""
         if self.disk is None:
-            return self.tier_lookup(keys)[0]
+            return self.tier_lookup(keys)[0], 0
         began = time.monotonic()
         with self._lock:
             self.index.prefix(keys)        # the host ones most recent: not evicted below
@@ -108,7 +109,7 @@ class HostTier(DistributedKVCache):
             self.index.insert([k for k, _ in payloads[:len(blocks)]], blocks)
             self.promoted += len(blocks)
         self.promote_s += time.monotonic() - began
-        return self.tier_lookup(keys)[0]
+        return self.tier_lookup(keys)[0], len(blocks)
 
     def tier_changes(self, since: int) -> tuple[int, PrefixChanges]:
         """(epoch, the host index's prefix-hash changes after `since`), see PrefixEventLog."""

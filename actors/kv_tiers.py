@@ -9,8 +9,9 @@ Lifecycle (TierClient, one per engine actor, on its event loop):
                   background task runs:
     offload       every OFFLOAD_EVERY_S, the freed hashed blocks not yet written down: a
                   reference each (engine thread; only blocks still free and still holding
-                  their hash, so nothing the step uses), a copy into the host tier's granted
-                  blocks (off the event loop), the references dropped. A hash is written
+                  their hash, so nothing the step uses; at most half the free blocks at
+                  once), a copy into the host tier's granted blocks (off the event loop),
+                  the references dropped. A hash is written
                   once: the blocks this engine put are remembered (OFFLOADED_MEMORY of them)
                   and the host tier skips keys it holds
     mirror        every MIRROR_EVERY_S, the host tier's stored / dropped prefix hashes into
@@ -79,6 +80,7 @@ class TierClient:
         self._epoch: int | None = None
         self._task: asyncio.Task | None = None
         self._prefill_seen = (0, 0.0)
+        self._offloading = asyncio.Lock()   # one offload at a time: a flush waits for it
         self.stats = {"host_hits": 0, "disk_hits": 0, "loads": 0, "load_s": 0.0,
                       "recomputed": 0, "offloaded": 0, "errors": 0}
 
@@ -131,14 +133,15 @@ class TierClient:
         keys = prefix_block_hashes(prompt_ids[:limit * self.block_size], self.block_size)
         try:
             host, both = await self._ask(self.pool.tier_lookup.remote(keys))
-            in_host = max(host, first)      # keys past this one come from the disk tier
+            in_host = max(host, first)      # keys past this one are on disk
             target = self._worth(first, host, both)
             if target <= first:
                 self.stats["recomputed"] += max(both - first, 0)
                 return local
             began = time.monotonic()
+            promoted = 0
             if target > max(host, first):
-                host = await self._ask(self.pool.promote.remote(keys[:target]))
+                host, promoted = await self._ask(self.pool.promote.remote(keys[:target]))
                 target = min(target, host)
             read = await self._read(prompt_ids, keys, first, target) if target > first else []
         except Exception as e:  # noqa: BLE001 - a tier that fails costs the reuse only
@@ -146,7 +149,9 @@ class TierClient:
             log.warning("KV tiers: loading a prefix failed (%s); computing it", e)
             return local
         seconds = time.monotonic() - began
-        from_disk = max(0, first + len(read) - in_host)
+        # Blocks past the host part came from disk: this call's promotion read them, or a
+        # concurrent one (another engine of the node asked for the same prompt).
+        from_disk = min(promoted, max(0, first + len(read) - in_host))
         self.stats["host_hits"] += len(read) - from_disk
         self.stats["disk_hits"] += from_disk
         self.stats["loads"] += 1 if read else 0
@@ -191,6 +196,8 @@ class TierClient:
                 engine.kv.release_blocks(unused)
             if fresh:
                 await self.loop.call(adopt)
+        for key in keys[first:first + len(read)]:   # the tier has them: no put when freed
+            self._offloaded[key] = None
         return read
 
     # -- offload ----------------------------------------------------------------------------
@@ -213,13 +220,24 @@ class TierClient:
                 await asyncio.sleep(MIRROR_EVERY_S)
 
     async def _offload(self) -> None:
+        async with self._offloading:
+            await self._offload_freed()
+
+    async def _offload_freed(self) -> None:
         done = self._offloaded
 
         def take(engine: LLMEngine) -> list[Block]:
             allocator = engine.kv.allocator
             todo, allocator.offloads = allocator.offloads, []
+            # At most half the free blocks at once (the rest wait for the next round): a
+            # copy in flight holds its blocks, and a reservation or step meanwhile must
+            # still find room.
+            room = allocator.num_free // 2
             picked: dict[int, Block] = {}
-            for b in todo:    # still free, still hashed, not written down yet
+            for i, b in enumerate(todo):  # still free, still hashed, not written down yet
+                if len(picked) >= room:
+                    allocator.offloads[:0] = todo[i:]
+                    break
                 if b.ref_count == 0 and b.block_hash is not None and b.block_hash not in done:
                     picked[b.block_id] = b
             blocks = list(picked.values())

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from actors.kv_tier_disk import SUFFIX
 from actors.kv_tier_host import HostTier
@@ -38,7 +37,6 @@ def held(tier: HostTier, keys: list[int]) -> list[float]:
     return [v[0] for v in values]
 
 
-@pytest.mark.slow
 def test_host_tier_spills_to_disk_once_and_never_loads_a_bad_block(tmp_path):
     settings = TierSettings(host_bytes=4 * LAYOUT.bytes_per_block_id, disk_path=str(tmp_path),
                             disk_bytes=6 * (LAYOUT.bytes_per_block_id + 64))
@@ -50,7 +48,7 @@ def test_host_tier_spills_to_disk_once_and_never_loads_a_bad_block(tmp_path):
         assert tier.tier_lookup([1, 2, 3, 4]) == (0, 4)
         assert tier.tier_lookup([3, 4, 5]) == (3, 3)
         # Back into host memory from disk (3, 4 evicted down in their turn), bit for bit.
-        assert tier.promote([1, 2]) == 2 and held(tier, [1, 2]) == [1.0, 2.0]
+        assert tier.promote([1, 2]) == (2, 2) and held(tier, [1, 2]) == [1.0, 2.0]
         assert tier.flush()
         written = tier.stats()["disk_bytes_written"]
         # 5, 6, 1, 2 go down: 1 and 2 are on disk already, not rewritten.
@@ -74,8 +72,8 @@ def test_host_tier_spills_to_disk_once_and_never_loads_a_bad_block(tmp_path):
         data[-1] ^= 0xFF
         files[4].write_bytes(bytes(data))
         files[5].write_bytes(files[5].read_bytes()[:-8])
-        assert tier.promote([3, 4]) == 1 and held(tier, [3]) == [3.0]
-        assert tier.promote([5]) == 0
+        assert tier.promote([3, 4]) == (1, 1) and held(tier, [3]) == [3.0]
+        assert tier.promote([5]) == (0, 0)
         stats = tier.stats()
         assert stats["disk_corrupt"] == 2 and not files[4].exists() and not files[5].exists()
         assert tier.tier_lookup([4]) == (0, 0)
@@ -85,7 +83,7 @@ def test_host_tier_spills_to_disk_once_and_never_loads_a_bad_block(tmp_path):
     # The tier's death keeps its files: a new one on the directory finds them.
     again = HostTier(LAYOUT, settings)
     try:
-        assert again.tier_lookup([6]) == (0, 1) and again.promote([6]) == 1
+        assert again.tier_lookup([6]) == (0, 1) and again.promote([6]) == (1, 1)
         assert held(again, [6]) == [6.0]
         # Not a whole block of host memory: a clear error naming the field.
         with pytest.raises(ValueError, match="kv_tiers.host_bytes"):
