@@ -1,25 +1,29 @@
 """The KV cache hierarchy through HTTP (issue 47): multi-turn conversations served with the
-tiers off, then on, on one GPU with its KV cache cut to a quarter of what the conversations
-in progress hold.
+tiers off and on, on one GPU whose KV cache is cut to a quarter of what the conversations in
+progress hold.
 
-    python -m bench.kv_tiers_serving -o OUT.json            # one GPU: 8B shape, ~6 min
-    python -m bench.kv_tiers_serving --dry-run -o OUT.json  # CPU, tiny model, < 1 min
+    python -m bench.kv_tiers_serving -o OUT.json            # one GPU: 8B shape, ~5-6 min
+    python -m bench.kv_tiers_serving --dry-run -o OUT.json  # the CPU: tiny model
 
-Each run serves configs/pd.yaml's args, colocated, one engine, on a private local Ray
-(bench/serving_bench.py `serving`, the Llama-3.1-8B-shaped dummy model with a word-level
-tokenizer, bench/models.py) with `engine.num_kv_blocks` set so that the KV of the
-conversations in progress is `--kv-ratio` (4) times the GPU cache, and `kv_tiers.enabled`
-off or on (host tier sized to hold them all, within /dev/shm's free space). Against each:
-unmeasured warm-up conversations, then `pd-cluster bench --multi-turn`
-(pd_cluster/benchmark/multiturn.py): conversations sharing a system prompt, each turn
-re-sending the context with a new message after a think time. Written as one JSON: both
-runs' TTFT p50 / p90, TPOT, goodput at the same SLOs (and at several TTFT SLOs, from the
-records), cached prompt tokens per turn, the off / on ratios; the /metrics series of the
-tiers (any `pd_kv_tier*`) over each run, and from them the host tier's load bandwidth against
-the pinned host -> device copy rate measured here with torch.
+Both applications are configs/pd.yaml's args, colocated, one engine each, the
+Llama-3.1-8B-shaped dummy model with a word-level tokenizer (bench/models.py),
+`engine.num_kv_blocks` set so that the KV of the conversations in progress is `--kv-ratio`
+(4) times the engine's cache; one with `kv_tiers.enabled` off, one on (its host tier sized to
+hold all of it, within /dev/shm's free space). They are served at once on one private local
+Ray under /off and /on (each engine half the GPU; the one not measured sits idle), which
+saves a start; `--one-at-a-time` serves each alone. Against each in turn: unmeasured warm-up
+conversations, then `pd-cluster bench --multi-turn` (pd_cluster/benchmark/multiturn.py):
+conversations sharing a system prompt, each turn re-sending the context with a new message
+after a think time.
 
-Every process it starts (the local Ray, Serve, the engines) is stopped before it exits,
-SIGTERM included; `--budget-s` bounds the whole call.
+Written as one JSON (rewritten as each run ends): both runs' TTFT p50 / p90, TPOT, goodput
+at the same SLOs (and at several TTFT SLOs, from the records), cached prompt tokens per turn,
+the off / on ratios; the engine's tier counters over each run (actors/kv_tiers.py
+`tier_stats`) and from them the tiers' load bandwidth per prompt, against the pinned host ->
+device copy rate measured here with torch.
+
+Every process it starts (the local Ray, Serve, the engines, the host tier) is stopped before
+it exits, SIGTERM included; `--budget-s` (470) bounds the whole call.
 """
 from __future__ import annotations
 
@@ -39,9 +43,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 
+from bench.harness.kv_tiers import compare, host_loads, pinned_copy, summary
+from bench.harness.served_offline import machine
 from bench.harness.serving_runs import app_args, get_text, metric_sum, scrape
 from bench.models import SHAPES, dummy_model_dir, kv_bytes_per_token, word_tokenizer
 from bench.serving_bench import PACKAGES_ROOT, free_port, haproxy_wanted, ingress_env
@@ -50,11 +55,12 @@ from pd_cluster.cli import main as pd_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
-# The GPU run: 2048-token system prompt, 6 turns of 256 in / 64 out (last context ~3.9k), 64
-# conversations in progress with 8 s of thought: ~125k tokens of distinct KV against a GPU
-# cache of a quarter of that, while the few requests running at a time (~6) fit in it.
-GPU = {"shape": "llama-3.1-8b", "conversations": 64, "turns": 6, "system": 2048, "user": 256,
-       "output": 64, "think": "8s", "concurrency": 64, "ttft_slo": "100ms", "tpot_slo": "50ms",
+# The GPU run: a 2048-token system prompt, 6 turns of 256 in / 64 out (the last context ~4k),
+# 48 conversations in progress (96 in all) with 8 s of thought between turns: ~94k tokens of
+# distinct KV against a GPU cache of a quarter of that, which still holds the few requests
+# running at a time (a turn takes ~0.6 s: ~4 of the 48 on average). About 2 x 110 s of load.
+GPU = {"shape": "llama-3.1-8b", "conversations": 96, "turns": 6, "system": 2048, "user": 256,
+       "output": 64, "think": "8s", "concurrency": 48, "ttft_slo": "100ms", "tpot_slo": "50ms",
        "max_model_len": 4096}
 # The CPU smoke run (--dry-run): the same shape of load, small enough for 2 cores.
 CPU = {"shape": "tiny-llama", "conversations": 8, "turns": 3, "system": 32, "user": 24,
@@ -62,24 +68,21 @@ CPU = {"shape": "tiny-llama", "conversations": 8, "turns": 3, "system": 32, "use
        "max_model_len": 512}
 RECORD_COLUMNS = ("conversation", "turn", "start", "ok", "prompt_tokens", "cached_tokens", "ttft",
                   "tpot", "e2e")
-TTFT_SLOS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)      # goodput re-judged at these, from records
 SHUTDOWN_S = 30.0       # stopping Serve and Ray
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description="multi-turn conversations served with the KV "
+                                "tiers off and on (issue 47)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke run with the tiny model (defaults below become CPU-sized)")
     p.add_argument("--tiers", default="off,on", help="runs, in order: off, on or both")
-    p.add_argument("--conversations", type=int)
-    p.add_argument("--turns", type=int)
-    p.add_argument("--system-prompt-tokens", type=int)
-    p.add_argument("--user-tokens", type=int)
-    p.add_argument("--output-len", type=int)
-    p.add_argument("--think-time")
-    p.add_argument("--concurrency", type=int, help="conversations in progress")
-    p.add_argument("--ttft-slo")
-    p.add_argument("--tpot-slo")
+    for flag, kind in (("--conversations", int), ("--turns", int), ("--user-tokens", int),
+                       ("--system-prompt-tokens", int), ("--output-len", int),
+                       ("--think-time", str), ("--concurrency", int), ("--ttft-slo", str),
+                       ("--tpot-slo", str)):
+        p.add_argument(flag, type=kind, help="as pd-cluster bench --multi-turn's (default: "
+                       "the GPU run's or the dry run's, above)")
     p.add_argument("--kv-ratio", type=float, default=4.0,
                    help="KV of the conversations in progress / the GPU cache")
     p.add_argument("--host-bytes", type=int,
@@ -99,11 +102,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-o", "--output", required=True)
     opts = p.parse_args(argv)
     defaults = CPU if opts.dry_run else GPU
-    for key, name in (("conversations", "conversations"), ("turns", "turns"),
-                      ("system", "system_prompt_tokens"), ("user", "user_tokens"),
-                      ("output", "output_len"), ("think", "think_time"),
-                      ("concurrency", "concurrency"), ("ttft_slo", "ttft_slo"),
-                      ("tpot_slo", "tpot_slo")):
+    for key, name in (("system", "system_prompt_tokens"), ("user", "user_tokens"),
+                      ("output", "output_len"), ("think", "think_time"), *[(k, k) for k in (
+                          "conversations", "turns", "concurrency", "ttft_slo", "tpot_slo")]):
         if getattr(opts, name) is None:
             setattr(opts, name, defaults[key])
     opts.shape, opts.max_model_len = defaults["shape"], defaults["max_model_len"]
@@ -146,61 +147,17 @@ def sizes(opts: argparse.Namespace, settings: MultiTurnSettings) -> dict:
             "host_holds_all": host >= distinct * per_token, "dev_shm_free": shm}
 
 
-def pinned_copy() -> dict | None:
-    """Pinned host -> GPU copy rate: one 256 MiB copy (a 2k-token 8B prompt's KV), and the
-    same bytes in 32 KiB pieces (one block's K or V of one layer at block 16), median of 5."""
-    import torch
+def engine_tier_stats(app: str) -> dict:
+    """The engine's tier counters (actors/kv_tiers.py `tier_stats`: blocks loaded from the
+    host and disk tiers, loads and their seconds, blocks offloaded, recomputed, the tier's
+    state and the cost rule's rates); {} with tiers off, {"error": ...} if it cannot say."""
+    from bench.serving_bench import engine_actors
 
-    if not torch.cuda.is_available():
-        return None
-    nbytes, piece = 256 * 2**20, 32 * 2**10
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {"bytes": nbytes, "whole_gbps": _copy_rate(host, dev, nbytes), "piece_bytes": piece,
-           "pieces_gbps": _copy_rate(host, dev, piece)}
-    del host, dev
-    torch.cuda.empty_cache()
-    return out
-
-
-def _copy_rate(host: Any, dev: Any, step: int) -> float:
-    """GB/s of copying `host` into `dev` in `step`-byte pieces: median of 5 after a warm-up."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(6):
-        start.record()
-        for at in range(0, host.numel(), step):
-            dev[at:at + step].copy_(host[at:at + step], non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return host.numel() / float(np.median(times[1:])) / 1e9
-
-
-def tier_series(metrics: dict) -> dict[str, float]:
-    """Every /metrics sample of the tiers (`pd_kv_tier*`), keyed `name{label=value,...}`."""
-    return {name + "{" + ",".join(f"{k}={v}" for k, v in labels) + "}": value
-            for (name, labels), value in metrics.items() if name.startswith("pd_kv_tier")}
-
-
-def host_loads(before: dict, after: dict) -> dict | None:
-    """The host tier's loads over a run, from the tiers' counters: bytes and seconds of
-    series whose name says load and whose tier label (or name) says host."""
-    def delta(word: str) -> float:
-        total = 0.0
-        for key, value in after.items():
-            name, _, labels = key.partition("{")
-            if "load" in name and word in name and ("tier=host" in labels or "host" in name):
-                total += value - before.get(key, 0.0)
-        return total
-
-    nbytes, seconds = delta("bytes"), delta("seconds")
-    if not nbytes:
-        return None
-    return {"bytes": nbytes, "seconds": seconds,
-            "gbps": nbytes / seconds / 1e9 if seconds else None}
+    try:
+        (actor,) = engine_actors(app=app, role="decode", timeout_s=30)
+        return ray.get(actor.tier_stats.remote(), timeout=30)
+    except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the measured run
+        return {"error": repr(e)[:300]}
 
 
 def run_args(label: str, base: dict, size: dict, opts: argparse.Namespace) -> dict:
@@ -254,7 +211,8 @@ def serving_apps(apps: dict[str, dict], opts: argparse.Namespace) -> Iterator[di
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure(label: str, url: str, opts: argparse.Namespace, seconds: float) -> dict:
+def measure(label: str, url: str, opts: argparse.Namespace, seconds: float,
+            block_bytes: int) -> dict:
     """Warm-up conversations, then the measured ones for at most `seconds`, against `url`;
     the run's summary, the tiers' /metrics over it and every request's record."""
     began = time.monotonic()
@@ -271,7 +229,7 @@ def measure(label: str, url: str, opts: argparse.Namespace, seconds: float) -> d
     seconds -= time.monotonic() - began
     if seconds < 10:
         raise SystemExit(f"--budget-s: no time left for the tiers-{label} run")
-    before = scrape(url)
+    before, stats_before = scrape(url), engine_tier_stats(f"kvt-{label}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.json"
         # No conversation starts a turn after --max-duration; those under way finish theirs.
@@ -283,64 +241,17 @@ def measure(label: str, url: str, opts: argparse.Namespace, seconds: float) -> d
         if not path.exists():
             raise RuntimeError(f"pd-cluster bench --multi-turn failed (exit {rc})")
         report = json.loads(path.read_text())
-    after = scrape(url)
-    tiers_before, tiers_after = tier_series(before), tier_series(after)
+    after, stats_after = scrape(url), engine_tier_stats(f"kvt-{label}")
     row = summary(report)
     row["prefix_cache_hit_tokens"] = (metric_sum(after, "pd_prefix_cache_hits_total")
                                       - metric_sum(before, "pd_prefix_cache_hits_total"))
-    row["tier_metrics"] = {k: v - tiers_before.get(k, 0.0) for k, v in tiers_after.items()}
-    row["host_loads"] = host_loads(tiers_before, tiers_after)
+    row["tier_stats"] = stats_after
+    row["host_loads"] = host_loads(stats_before, stats_after, block_bytes)
     row["record_columns"] = RECORD_COLUMNS
-    row["records"] = [[_round(r[c]) for c in RECORD_COLUMNS] for r in report["records"]]
+    row["records"] = [[round(v, 6) if isinstance(v, float) else v
+                       for v in (r[c] for c in RECORD_COLUMNS)] for r in report["records"]]
     row["run_s"] = round(time.monotonic() - began, 1)
     return row
-
-
-def _round(v: Any) -> Any:
-    return round(v, 6) if isinstance(v, float) else v
-
-
-def summary(report: dict) -> dict:
-    """The numbers a comparison needs, in ms where they are latencies."""
-    ms = lambda v: None if v is None else round(v * 1e3, 3)
-    ok = [r for r in report["records"] if r["ok"]]
-    tpot_ok = [r for r in ok if r["tpot"] is not None and r["tpot"] <= report["slo"]["tpot"]]
-    return {
-        "requests": report["requests"], "completed": report["completed"],
-        "errors": report["errors"], "duration_s": round(report["duration_s"], 3),
-        "conversations_completed": report["conversations_completed"],
-        "ttft_ms_p50": ms(report["ttft"]["p50"]), "ttft_ms_p90": ms(report["ttft"]["p90"]),
-        "tpot_ms_p50": ms(report["tpot"]["p50"]), "tpot_ms_p90": ms(report["tpot"]["p90"]),
-        "request_throughput": report["request_throughput"],
-        "output_token_throughput": report["output_token_throughput"],
-        "goodput": report["goodput"], "slo_attainment": report["slo_attainment"],
-        "goodput_at_ttft_slo": {f"{int(s * 1e3)}ms": sum(r["ttft"] <= s for r in tpot_ok)
-                                / report["duration_s"] for s in TTFT_SLOS},
-        "cached_fraction": report["cached_fraction"],
-        "per_turn": [{"turn": t["turn"], "completed": t["completed"],
-                      "ttft_ms_p50": ms(t["ttft"]["p50"]), "ttft_ms_p90": ms(t["ttft"]["p90"]),
-                      "prompt_tokens_mean": t["prompt_tokens_mean"],
-                      "cached_tokens_mean": t["cached_tokens_mean"],
-                      "slo_attainment": t["slo_attainment"]} for t in report["per_turn"]],
-    }
-
-
-def compare(runs: dict, copy: dict | None) -> dict | None:
-    if not {"off", "on"} <= set(runs):
-        return None
-    off, on = runs["off"], runs["on"]
-    div = lambda a, b: round(a / b, 3) if a is not None and b else None
-    out = {"ttft_p50_off_over_on": div(off["ttft_ms_p50"], on["ttft_ms_p50"]),
-           "ttft_p90_off_over_on": div(off["ttft_ms_p90"], on["ttft_ms_p90"]),
-           "goodput_on_over_off": div(on["goodput"], off["goodput"]),
-           "goodput_on_over_off_at_ttft_slo": {
-               k: div(on["goodput_at_ttft_slo"][k], v)
-               for k, v in off["goodput_at_ttft_slo"].items()},
-           "tiers_seen_in_metrics": bool(on["tier_metrics"])}
-    loads = on.get("host_loads")
-    if loads and loads.get("gbps") and copy:
-        out["host_load_gbps_over_pinned_copy"] = div(loads["gbps"], copy["whole_gbps"])
-    return out
 
 
 def git_commit() -> str | None:
@@ -393,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {"command": " ".join(["python3", "bench/kv_tiers_serving.py",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "commit": git_commit(),
-              "machine": _machine(),
+              "machine": machine(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "result": result}
     out = Path(opts.output)
@@ -413,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                 left = deadline - time.monotonic() - SHUTDOWN_S * (len(groups) - n)
                 left -= start_s * (len(groups) - n - 1)
                 runs_left = len(group) - k + sum(len(g) for g in groups[n + 1:])
-                row = measure(label, urls[label], opts, left / runs_left)
+                row = measure(label, urls[label], opts, left / runs_left,
+                              BLOCK * size["kv_bytes_per_token"])
                 result["runs"][label] = {"start_s": start_s, "served_with": group, **row}
                 result["comparison"] = compare(result["runs"], result["pinned_copy"])
                 out.write_text(json.dumps(header, indent=1) + "\n")   # each run kept as it ends
@@ -422,14 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"sizes": size, "pinned_copy": result["pinned_copy"], "runs": shown,
                       "comparison": result.get("comparison")}, indent=1))
     return 0
-
-
-def _machine() -> dict:
-    import platform
-
-    import torch
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "cpus": os.cpu_count(), "python": platform.python_version()}
 
 
 if __name__ == "__main__":
