@@ -45,7 +45,7 @@ from typing import Any
 
 import ray
 
-from bench.harness.kv_tiers import compare, host_loads, pinned_copy, summary
+from bench.harness import kv_tiers
 from bench.harness.served_offline import machine
 from bench.harness.serving_runs import app_args, get_text, metric_sum, scrape
 from bench.models import SHAPES, dummy_model_dir, kv_bytes_per_token, word_tokenizer
@@ -242,11 +242,12 @@ def measure(label: str, url: str, opts: argparse.Namespace, seconds: float,
             raise RuntimeError(f"pd-cluster bench --multi-turn failed (exit {rc})")
         report = json.loads(path.read_text())
     after, stats_after = scrape(url), engine_tier_stats(f"kvt-{label}")
-    row = summary(report)
+    row = kv_tiers.summary(report)
     row["prefix_cache_hit_tokens"] = (metric_sum(after, "pd_prefix_cache_hits_total")
                                       - metric_sum(before, "pd_prefix_cache_hits_total"))
     row["tier_stats"] = stats_after
-    row["host_loads"] = host_loads(stats_before, stats_after, block_bytes)
+    row["tier_metrics"] = kv_tiers.tier_metrics(before, after)
+    row["host_loads"] = kv_tiers.host_loads(stats_before, stats_after, block_bytes)
     row["record_columns"] = RECORD_COLUMNS
     row["records"] = [[round(v, 6) if isinstance(v, float) else v
                        for v in (r[c] for c in RECORD_COLUMNS)] for r in report["records"]]
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                      "think_time": opts.think_time, "ttft_slo": opts.ttft_slo,
                      "tpot_slo": opts.tpot_slo},
         "shape": opts.shape, "sizes": size, "app_args": base,
-        "pinned_copy": None if opts.dry_run else pinned_copy(), "runs": {}}
+        "pinned_copy": None if opts.dry_run else kv_tiers.pinned_copy(), "runs": {}}
     header = {"command": " ".join(["python3", "bench/kv_tiers_serving.py",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "commit": git_commit(),
@@ -327,8 +328,13 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(label, urls[label], opts, left / runs_left,
                               BLOCK * size["kv_bytes_per_token"])
                 result["runs"][label] = {"start_s": start_s, "served_with": group, **row}
-                result["comparison"] = compare(result["runs"], result["pinned_copy"])
+                result["comparison"] = kv_tiers.compare(result["runs"], result["pinned_copy"])
                 out.write_text(json.dumps(header, indent=1) + "\n")   # each run kept as it ends
+                state = row["tier_stats"].get("state")
+                if label == "on" and state != "on":
+                    print(f"kv_tiers_serving: the tiers-on engine's tiers are {state!r}, not "
+                          f"on ({row['tier_stats']}): its run measured no tier; see its log",
+                          file=sys.stderr)
     shown = {label: {k: v for k, v in row.items() if k not in ("records", "per_turn")}
              for label, row in result["runs"].items()}
     print(json.dumps({"sizes": size, "pinned_copy": result["pinned_copy"], "runs": shown,

@@ -43,6 +43,16 @@ def _copy_rate(host: Any, dev: Any, step: int) -> float:
     return host.numel() / float(np.median(times[1:])) / 1e9
 
 
+def tier_metrics(before: dict, after: dict) -> dict[str, float]:
+    """How every `pd_kv_tier*` series of the router's /metrics (router/kv_tier_metrics.py)
+    moved over a run (gauges: their value after it), keyed `name{label=value,...}`; from
+    serving_runs.scrape's {(name, labels): value}."""
+    gauge = ("_used_bytes", "_capacity_bytes")
+    return {name + "{" + ",".join(f"{k}={v}" for k, v in labels) + "}":
+            value if name.endswith(gauge) else value - before.get((name, labels), 0.0)
+            for (name, labels), value in after.items() if name.startswith("pd_kv_tier")}
+
+
 def host_loads(before: dict, after: dict, block_bytes: int) -> dict | None:
     """The tiers' loads over a run, from the engine's counters: bytes, seconds (lookups and
     round trips included), per load (a load is one prompt's prefix), and the bandwidth."""

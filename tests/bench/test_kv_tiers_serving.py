@@ -53,8 +53,13 @@ def test_dry_run_serves_both_runs_and_writes_their_comparison(tmp_path: Path):
         assert run["ttft_ms_p50"] <= run["ttft_ms_p90"] and run["goodput"] > 0
         columns = run["record_columns"]
         assert len(run["records"]) == requests and "cached_tokens" in columns
+    # The tiers-on engine runs its tiers and offloads what it evicts; the other has none.
+    assert result["runs"]["off"]["tier_stats"] == {}
+    on = result["runs"]["on"]
+    assert on["tier_stats"]["state"] == "on" and on["host_loads"]["offloaded"] > 0
     comparison = result["comparison"]
     assert comparison["ttft_p50_off_over_on"] > 0 and comparison["goodput_on_over_off"] > 0
+    assert comparison["tiers_on_in_the_engine"]
     # Every Ray process of the script's own (its session lives under /tmp/pdkt<pid>-*) ended.
     mark = f"/tmp/pdkt{proc.pid}-"
     deadline = time.monotonic() + 30
