@@ -3,7 +3,9 @@
 Lifecycle of a request: see actors/streaming.py (generate → outputs → finished or abort);
 chunked prefill and decode interleave in the engine's continuous batch, and the engine frees
 the request's KV blocks when it finishes or is aborted. The actor is async, so a slow
-subscriber never blocks another; the engine itself runs on the EngineLoop's thread.
+subscriber never blocks another; the engine itself runs on the EngineLoop's thread. With
+`kv_tiers`, a prompt's prefix is first loaded from the node's KV tiers where that beats
+computing it, and the blocks the engine frees are written down to them (actors/kv_tiers.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import ray
 from actors.engine_lease import EngineLease
 from actors.engine_loop import EngineLoop
 from actors.kv_tiers import TieredEngine
+from actors.messages import ReplicaLoad
 from actors.streaming import StreamingEngine
 from pd_cluster.config import EngineConfig
 from pd_cluster.role import Role
@@ -40,6 +43,10 @@ class ColocatedActor(StreamingEngine, TieredEngine):
             await StreamingEngine.generate(self, request_id, prompt_ids, params, sub)
         finally:
             self._tier_release(kept)   # queued after the request: it finds them cached
+
+    async def load(self, prefix_since: int | None = None) -> ReplicaLoad:
+        """StreamingEngine.load, with the KV tiers' counters when they are on."""
+        return self._with_tiers(self.loop.load(prefix_since))
 
     async def renew_lease(self) -> float:
         """Renew this actor's lease (actors/engine_lease.py); returns its length."""

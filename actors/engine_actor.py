@@ -138,8 +138,9 @@ class EngineActor(StreamingEngine, TieredEngine):
         self.outbox.close(sub)
 
     async def load(self, prefix_since: int | None = None) -> ReplicaLoad:
-        """The engine's load report (see KVEndpoint.load, EngineLoop.load)."""
-        return self.end.load(prefix_since)
+        """The engine's load report (see KVEndpoint.load, EngineLoop.load), with the KV
+        tiers' counters when they are on."""
+        return self._with_tiers(self.end.load(prefix_since))
 
     async def stage_times(self) -> list[tuple]:
         """Recent requests' stage times (PrefillSide.stages / DecodeSide.stages)."""

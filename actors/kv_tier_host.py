@@ -18,6 +18,10 @@ Lifecycle:
                      from host memory like any other
     tier_changes     the prefix hashes stored in and dropped from host memory, for the engines
                      to mirror into their routers' reports
+    renew()          every engine using it renews its lease (actors/engine_lease.py) each
+                     second; with none for TIER_LEASE_S (the application deleted, its engines
+                     gone and not replaced) the tier ends its own process: detached, nothing
+                     else would free its host memory
     shutdown / death memory gone; the disk tier's files stay and a new HostTier on the node
                      indexes them again
 The pool's lock is held for index changes and memory copies only, never for disk I/O.
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 
+from actors.engine_lease import EngineLease
 from actors.kv_pool import DistributedKVCache, node_id
 from actors.kv_tier_disk import DiskTier
 from actors.pool_index import Key
@@ -43,13 +48,17 @@ from pd_cluster.kv_tiers import TierSettings
 log = logging.getLogger(__name__)
 
 TIER_NAME_PREFIX = "pd-kv-tier-"
+# Longer than a killed engine's replacement takes to load its model and renew (what the
+# tier is kept for), short enough that a deleted application's host memory comes back.
+TIER_LEASE_S = 600.0
 
 
 class HostTier(DistributedKVCache):
     """See the module docstring."""
 
-    def __init__(self, layout: KVLayout, settings: TierSettings, timeout_s: float = 30.0
-                 ) -> None:
+    def __init__(self, layout: KVLayout, settings: TierSettings, timeout_s: float = 30.0,
+                 lease_s: float | None = TIER_LEASE_S) -> None:
+        """`lease_s`: None, no lease (in-process tests)."""
         # No peers: engines copy through the shared segment and confirm with end_local, so
         # the in-process transport only keeps the transfers' leases and deadlines.
         super().__init__(layout, "local", timeout_s=timeout_s, shared_memory=True)
@@ -68,6 +77,12 @@ class HostTier(DistributedKVCache):
                                  settings.disk_bytes, self.block_bytes)
         self.promote_s = 0.0          # seconds spent reading disk blocks back
         self.promoted = 0             # blocks read back from disk into host memory
+        self.lease = None if lease_s is None else EngineLease(f"kv-tier-{self.node_id[:16]}",
+                                                              lease_s)
+
+    def renew(self) -> float:
+        """An engine of the node still uses this tier: push its lease back."""
+        return 0.0 if self.lease is None else self.lease.renew()
 
     def layout_of(self) -> KVLayout:
         return self.layout
@@ -120,7 +135,8 @@ class HostTier(DistributedKVCache):
 
     def stats(self) -> dict:
         out = super().stats()
-        out.update(tier="host", promoted=self.promoted, promote_s=self.promote_s)
+        out.update(tier="host", node=self.node_id, promoted=self.promoted,
+                   promote_s=self.promote_s)
         if self.disk is not None:
             out.update(self.disk.stats, disk_used_bytes=self.disk.used_bytes(),
                        disk_capacity_bytes=self.disk.budget)

@@ -16,8 +16,9 @@ Lifecycle (TierClient, one per engine actor, on its event loop):
                   and the host tier skips keys it holds
     mirror        every MIRROR_EVERY_S, the host tier's stored / dropped prefix hashes into
                   the engine's PrefixEventLog (offloaded / unloaded events), which routers
-                  read with its prefix reports; and the engine's measured prefill rate into
-                  the cost rule
+                  read with its prefix reports; the engine's measured prefill rate into the
+                  cost rule; the host tier's lease renewed and its stats fetched (the
+                  engine's load report carries them to the routers' metrics: `report`)
     reuse(ids)    before a prompt is computed (colocated: generate; P: prefill; D: reserve):
                   the longest prefix held locally, in host memory and on disk; LoadCost
                   decides how far to load (none, host part, host and disk parts); disk blocks
@@ -32,6 +33,7 @@ counted, never a failed request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.kv_pool import node_id
 from actors.kv_tier_host import start_host_tier
+from actors.messages import ReplicaLoad
 from actors.pool_shm import SharedSegment, copy_blocks
 from pd_cluster.block_allocator import Block, prefix_block_hashes
 from pd_cluster.kv_tiers import LoadCost, Tier, TierSettings
@@ -83,6 +86,7 @@ class TierClient:
         self._offloading = asyncio.Lock()   # one offload at a time: a flush waits for it
         self.stats = {"host_hits": 0, "disk_hits": 0, "loads": 0, "load_s": 0.0,
                       "recomputed": 0, "offloaded": 0, "errors": 0}
+        self.host_stats: dict = {}         # the node's host tier's, as last fetched
 
     async def start(self) -> None:
         shards = self.loop.engine.kv_shards()
@@ -212,6 +216,8 @@ class TierClient:
                     last_mirror = time.monotonic()
                     await self._mirror()
                     self._measure_prefill()
+                    self.pool.renew.remote()       # (its answer is not needed)
+                    self.host_stats = await self._ask(self.pool.stats.remote())
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the next round tries again
@@ -351,12 +357,22 @@ class TieredEngine:
             asyncio.ensure_future(self.loop.call(lambda e: e.kv.release_blocks(kept)))
 
     async def tier_stats(self) -> dict:
-        """This engine's tier counters (TierClient.stats) and the cost rule's rates."""
+        """This engine's tier counters (TierClient.stats), the cost rule's rates and its
+        node's host tier's stats (`host_tier`, as last fetched); {} with no tiers."""
+        return self._tier_report()
+
+    def _tier_report(self) -> dict:
         if self.tiers is None:
             return {}
         t = self.tiers
         return {**t.stats, "state": t.state.value, "prefill_tokens_per_s": t.cost.prefill_tps,
-                "host_gbps": t.cost.gbps[Tier.HOST], "disk_gbps": t.cost.gbps[Tier.DISK]}
+                "host_gbps": t.cost.gbps[Tier.HOST], "disk_gbps": t.cost.gbps[Tier.DISK],
+                "host_tier": dict(t.host_stats)}
+
+    def _with_tiers(self, load: ReplicaLoad) -> ReplicaLoad:
+        """An engine's load report with its tier report (for the routers' metrics)."""
+        return load if self.tiers is None else dataclasses.replace(
+            load, kv_tiers=self._tier_report())
 
     async def flush_tiers(self) -> int:
         """Offload what the engine has freed now, not at the next tick (tests, drains);

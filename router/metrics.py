@@ -22,6 +22,7 @@ from pd_cluster.step_totals import STEP_FEATURES
 from pd_cluster.planner import Action
 from router.control.membership import Membership, ReplicaState
 from router.control.planner_loop import MAX_SAMPLES, LatencySample, PlannerView
+from router.kv_tier_metrics import KVTierCollector
 from router.routing import ReplicaLoad
 from router.transfer_metrics import TransferMetrics
 
@@ -226,6 +227,9 @@ class RouterMetrics:
         r.register(self._planner)
         self._kv_pools = _KVPoolCollector()
         r.register(self._kv_pools)
+        # The KV tiers' counters from the engines' reports (router/kv_tier_metrics.py).
+        self._kv_tiers = KVTierCollector()
+        r.register(self._kv_tiers)
         # Each KV handover's time and bytes, failures by cause (router/transfer_metrics.py).
         self.transfers = TransferMetrics(r)
         # Finished requests for the engine controller's planner (router/control/planner_loop.py),
@@ -235,6 +239,7 @@ class RouterMetrics:
 
     def set_loads(self, loads: Sequence[ReplicaLoad]) -> None:
         self._replicas.loads = list(loads)
+        self._kv_tiers.set_loads(loads)
 
     def set_kv_pools(self, stats: dict[str, dict]) -> None:
         """The KV pools' stats by node (PoolHandoff.pool_stats); empty outside pooled mode."""

@@ -13,6 +13,7 @@ import random
 import socket
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_cluster import LLM, EngineConfig, SamplingParams
 from pd_cluster.block_allocator import prefix_block_hashes
@@ -27,6 +28,7 @@ from actors.engine_actor import EngineActor
 from actors.kv_tier_host import tier_name
 from router.app import start_client
 from router.disagg_client import DisaggregatedClient
+from router.metrics import RouterMetrics
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -141,6 +143,23 @@ def test_colocated_prefix_comes_back_from_host_then_disk_never_from_a_bad_file(
         assert run(client, "a2", p.a, route) == cold
         assert computed(engine) - before == 5
         assert stats(engine)["disk_hits"] == 4
+        # ... which the router's metrics show, per replica and per node and tier.
+        def reported():   # the host tier's stats come with the engine's next mirror
+            load = ray.get(engine.load.remote())
+            return load if load.kv_tiers.get("host_tier") else None
+        load = wait_until(reported, 5, 0.1)
+        metrics = RouterMetrics("tiny")
+        metrics.set_loads([load])
+        series = {(m.name, tuple(sorted(m.labels.items()))): m.value for f in
+                  text_string_to_metric_families(metrics.render().decode())
+                  for m in f.samples if m.name.startswith("pd_kv_tier_")}
+        replica = (("replica", "0"), ("role", "decode"))
+        assert series["pd_kv_tier_hit_blocks_total", (*replica, ("tier", "disk"))] == 4
+        assert series["pd_kv_tier_hit_blocks_total", (*replica, ("tier", "host"))] == 4
+        assert series["pd_kv_tier_loads_total", replica] == 2
+        node = load.kv_tiers["host_tier"]["node"]
+        assert series["pd_kv_tier_bytes_in_total", (("node", node), ("tier", "disk"))] > 0
+        assert series["pd_kv_tier_evictions_total", (("node", node), ("tier", "host"))] > 0
 
         # A truncated file of A's first block: detected, the whole prompt computed.
         evict(client, p, [engine], route, 3)

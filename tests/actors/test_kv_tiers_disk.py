@@ -40,7 +40,7 @@ def held(tier: HostTier, keys: list[int]) -> list[float]:
 def test_host_tier_spills_to_disk_once_and_never_loads_a_bad_block(tmp_path):
     settings = TierSettings(host_bytes=4 * LAYOUT.bytes_per_block_id, disk_path=str(tmp_path),
                             disk_bytes=6 * (LAYOUT.bytes_per_block_id + 64))
-    tier = HostTier(LAYOUT, settings)
+    tier = HostTier(LAYOUT, settings, lease_s=None)
     try:
         put(tier, [1, 2, 3, 4])
         put(tier, [5, 6])                      # evicts 1 and 2 to disk
@@ -81,7 +81,7 @@ def test_host_tier_spills_to_disk_once_and_never_loads_a_bad_block(tmp_path):
         tier.shutdown()
 
     # The tier's death keeps its files: a new one on the directory finds them.
-    again = HostTier(LAYOUT, settings)
+    again = HostTier(LAYOUT, settings, lease_s=None)
     try:
         assert again.tier_lookup([6]) == (0, 1) and again.promote([6]) == (1, 1)
         assert held(again, [6]) == [6.0]
