@@ -53,7 +53,7 @@ import ray
 import yaml
 from ray import serve
 
-from bench.harness.serving_runs import set_args
+from bench.harness.serving_runs import get_text, set_args
 from bench.serving_bench import APP, borrow_client, free_port, ingress_env
 from pd_cluster.request import FinishReason
 from pd_cluster.sampling_params import SamplingParams
@@ -114,7 +114,9 @@ def deploy(args: dict[str, Any], port: int, timeout_s: float) -> None:
     while True:
         app = serve.status().applications.get(APP)
         status = str(app.status) if app else "NOT_STARTED"
-        if status.endswith("RUNNING"):
+        # RUNNING comes once the router replica is constructed; it serves (and has a client
+        # to borrow) once its engines are up: /health says 200 then.
+        if status.endswith("RUNNING") and get_text(f"http://127.0.0.1:{port}/health", 5.0):
             return
         if status.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
             raise RuntimeError(f"the app failed to deploy: {app.message}")

@@ -102,8 +102,10 @@ class DisaggregatedClient:
         self.transport = ""
 
     def __getstate__(self) -> dict:
-        # A copy (benchmarks borrow the router's client) leaves our requests here.
-        return {**self.__dict__, "_attempts": {}, "_pending": set(), "fleet": None}
+        # A copy (benchmarks borrow the router's client) leaves our requests here, and the
+        # router's metrics (a registry does not travel).
+        return {**self.__dict__, "_attempts": {}, "_pending": set(), "fleet": None,
+                "transfers": None}
 
     @property
     def prefill(self) -> list[Any]:
