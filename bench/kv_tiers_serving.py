@@ -69,6 +69,9 @@ CPU = {"shape": "tiny-llama", "conversations": 8, "turns": 3, "system": 32, "use
 RECORD_COLUMNS = ("conversation", "turn", "start", "ok", "prompt_tokens", "cached_tokens", "ttft",
                   "tpot", "e2e")
 SHUTDOWN_S = 30.0       # stopping Serve and Ray
+# Ray's object store (in /dev/shm too) at a size that leaves /dev/shm to the host tier: the
+# benchmark passes no objects of size (Ray's default is 30 % of the host's memory).
+OBJECT_STORE_BYTES = 2 * 2**30
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -139,8 +142,10 @@ def sizes(opts: argparse.Namespace, settings: MultiTurnSettings) -> dict:
     blocks = max(math.ceil(distinct / opts.kv_ratio / BLOCK), math.ceil(last / BLOCK) + 1)
     wanted = opts.host_bytes or int(distinct * per_token * 1.5)
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
-    # The host tier lives in /dev/shm (actors/pool_shm.py): a container's may be small.
-    host = min(wanted, int(shm * 0.8)) if shm and not opts.host_bytes else wanted
+    # The host tier lives in /dev/shm (actors/pool_shm.py), beside Ray's object store: a
+    # container's may be small.
+    host = min(wanted, int((shm - OBJECT_STORE_BYTES) * 0.8)) \
+        if shm and not opts.host_bytes else wanted
     return {"kv_bytes_per_token": per_token, "distinct_kv_tokens": distinct,
             "last_context_tokens": last, "gpu_kv_blocks": blocks, "gpu_kv_tokens": blocks * BLOCK,
             "ratio": distinct / (blocks * BLOCK), "host_bytes": host,
@@ -173,6 +178,7 @@ def serving_apps(apps: dict[str, dict], opts: argparse.Namespace) -> Iterator[di
     """The URL of each application (label -> args), all served at once on one private local
     Ray, each under the route prefix /<label>; Serve and Ray stopped afterwards, whatever
     happens. As bench/serving_bench.py `serving` does for one, HAProxy ingress included."""
+    import psutil  # after ray, which carries it (ray/thirdparty_files) where pip did not
     from ray import serve
 
     from router.app import build_app
@@ -183,8 +189,8 @@ def serving_apps(apps: dict[str, dict], opts: argparse.Namespace) -> Iterator[di
     # Short (Ray's socket paths), and named after this process: what it leaves is findable.
     work = Path(tempfile.mkdtemp(prefix=f"pdkt{os.getpid()}-", dir="/tmp"))
     ray.init(address="local", num_cpus=opts.num_cpus, num_gpus=opts.num_gpus,
-             include_dashboard=False, namespace="serve", log_to_driver=False,
-             _temp_dir=str(work))
+             object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
+             namespace="serve", log_to_driver=False, _temp_dir=str(work))
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -205,9 +211,18 @@ def serving_apps(apps: dict[str, dict], opts: argparse.Namespace) -> Iterator[di
                 time.sleep(1)
         yield urls
     finally:
+        # Ray's processes (raylet, workers, engines, HAProxy under its manager) all descend
+        # from this one: what ray.shutdown leaves running is ended by pid.
+        started = psutil.Process().children(recursive=True)
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        _, alive = psutil.wait_procs(started, timeout=20)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                print(f"kv_tiers_serving: ending {proc.pid} ({proc.name()}), left by Ray",
+                      file=sys.stderr)
+                proc.kill()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -288,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
               f"engine.num_kv_blocks={size['gpu_kv_blocks']}", f"engine.block_size={BLOCK}"]
     engine += ["engine.device=cpu", "engine.dtype=float32", "engine.cuda_graphs=false"] \
         if opts.dry_run else ["engine.dtype=bfloat16"]
+    if not size["host_holds_all"]:
+        print(f"kv_tiers_serving: the host tier ({size['host_bytes']} bytes) holds less than "
+              f"the conversations' KV: /dev/shm has {size['dev_shm_free']} bytes free",
+              file=sys.stderr)
     base = app_args([*engine, "mode=colocated", "num_prefill=0", "num_decode=1",
                      f"limits.max_tokens={min(4096, opts.max_model_len)}", *opts.set],
                     REPO / "configs" / "pd.yaml")
