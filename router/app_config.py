@@ -172,7 +172,22 @@ class AppConfig(BaseModel):
                 raise ValueError(f"limits.{name}: {value} exceeds engine.max_model_len {longest}")
         if self.planner.enabled:
             self._check_planner()
+        if self.kv_tiers.enabled:
+            self._check_kv_tiers()
         return self
+
+    def _check_kv_tiers(self) -> None:
+        # The tiers keep and find blocks by prefix hash, which only the prefix cache gives
+        # them; an engine copies to and from its node's host tier in its own process, which
+        # needs its whole KV cache there (one tensor-parallel rank).
+        if not self.engine.enable_prefix_caching:
+            raise ValueError("kv_tiers.enabled: needs engine.enable_prefix_caching (the tiers "
+                             "keep blocks by prefix hash)")
+        for role in Role:
+            tp = self.tensor_parallel_size(role)
+            if tp > 1 and (role is Role.DECODE or self.mode != "colocated"):
+                raise ValueError(f"kv_tiers.enabled: not supported with {self._tp_field(role)} "
+                                 f"{tp} yet (an engine's KV cache must be one shard)")
 
     def _check_planner(self) -> None:
         planner = self.planner
