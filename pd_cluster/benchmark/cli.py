@@ -7,6 +7,10 @@ import json
 import os
 from dataclasses import asdict
 
+# --multi-turn's own options and their defaults (None on the command line: given or not).
+MULTI_TURN_DEFAULTS = {"conversations": 32, "turns": 4, "system_prompt_tokens": 512,
+                       "user_tokens": 64, "think_time": "1s"}
+
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (streaming)")
@@ -25,7 +29,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--rate", type=float, help="requests/s (inf: all at once); default 1; "
                       "with --multi-turn new conversations/s")
     load.add_argument("--concurrency", type=int, help="requests in flight, back to back; "
-                      "with --multi-turn conversations in progress")
+                      "with --multi-turn conversations in progress (default 8)")
     p.add_argument("--burstiness", type=float, help="gamma shape of arrival gaps; 1 (the "
                    "default) = Poisson, < 1 burstier")
     turns = p.add_argument_group("multi-turn conversations (pd_cluster/benchmark/multiturn.py)")
@@ -33,13 +37,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                        help="conversations sharing a system prompt, each turn re-sending the "
                        "context so far plus a new message; --output-len is each answer's "
                        "length (an integer); reported per turn, with the tokens cached")
-    turns.add_argument("--conversations", type=int, default=32, help="conversations in all")
-    turns.add_argument("--turns", type=int, default=4, help="turns of each conversation")
-    turns.add_argument("--system-prompt-tokens", type=int, default=512,
-                       help="the shared system prompt's length")
-    turns.add_argument("--user-tokens", type=int, default=64, help="each user message's length")
-    turns.add_argument("--think-time", default="1s", help="mean pause between an answer and "
-                       "the next message (exponential), e.g. 2s, 500ms, 0")
+    turns.add_argument("--conversations", type=int, help="conversations in all (default 32)")
+    turns.add_argument("--turns", type=int, help="turns of each conversation (default 4)")
+    turns.add_argument("--system-prompt-tokens", type=int,
+                       help="the shared system prompt's length (default 512)")
+    turns.add_argument("--user-tokens", type=int, help="each user message's length (default 64)")
+    turns.add_argument("--think-time", help="mean pause between an answer and the next "
+                       "message (exponential), e.g. 2s, 500ms, 0 (default 1s)")
     p.add_argument("--ttft-slo", default="1s", help="goodput's TTFT objective, e.g. 500ms")
     p.add_argument("--tpot-slo", default="100ms", help="goodput's TPOT objective, e.g. 50ms")
     p.add_argument("--slo-percentile", default="p90", help="reported with the SLOs")
@@ -55,6 +59,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 def _bench(args: argparse.Namespace) -> int:
     if args.multi_turn:
         return _bench_multi_turn(args)
+    for name in MULTI_TURN_DEFAULTS:
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} needs --multi-turn")
     from pd_cluster.benchmark.client import Endpoint
     from pd_cluster.benchmark.loadgen import LoadSettings, check_load, run_load
     from pd_cluster.benchmark.metrics import format_summary, summarize
@@ -64,7 +71,8 @@ def _bench(args: argparse.Namespace) -> int:
     workload = Workload.from_args(args.workload, args.input_len, args.output_len)
     slo = SLO.parse(args.ttft_slo, args.tpot_slo, args.slo_percentile)
     rate = 1.0 if args.rate is None and args.concurrency is None else args.rate
-    load = LoadSettings(args.num_requests or 100, rate, args.concurrency,
+    load = LoadSettings(100 if args.num_requests is None else args.num_requests, rate,
+                        args.concurrency,
                         1.0 if args.burstiness is None else args.burstiness,
                         args.timeout, args.max_duration, args.seed)
     check_load(load)
@@ -87,6 +95,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_multi_turn(args: argparse.Namespace) -> int:
     """`--multi-turn`: the conversations of multiturn.py; the summary, a per-turn table, and
     with -o the JSON report (-o -: to stdout, the summary then to stderr)."""
+    import re
     import sys
 
     from pd_cluster.benchmark import multiturn
@@ -99,10 +108,13 @@ def _bench_multi_turn(args: argparse.Namespace) -> int:
         if given is not None:
             raise ValueError(f"{flag} does not apply to --multi-turn (its prompts are the "
                              "conversations': --system-prompt-tokens, --user-tokens, --turns)")
+    for name, default in MULTI_TURN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     output = args.output_len or "128"
     if not output.strip().isdigit():
         raise ValueError(f"--output-len: --multi-turn takes one length in tokens, got {output!r}")
-    think = 0.0 if args.think_time.strip() in ("0", "0s", "0ms") else \
+    think = 0.0 if re.fullmatch(r"0+(\.0*)?(s|ms|us)?", args.think_time.strip()) else \
         parse_duration(args.think_time, "--think-time")
     concurrency = args.concurrency
     if args.rate is None and concurrency is None:

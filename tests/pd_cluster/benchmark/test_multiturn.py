@@ -65,3 +65,8 @@ def test_the_report_counts_cached_tokens_and_goodput_per_turn():
 def test_options_that_cannot_run_are_refused_naming_the_flag(argv, message, capsys):
     assert main(["bench", "--multi-turn", "--model", "m", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_multi_turn_options_alone_are_refused(capsys):
+    assert main(["bench", "--model", "m", "--turns", "3"]) == 2
+    assert "--turns needs --multi-turn" in capsys.readouterr().err
