@@ -174,10 +174,11 @@ def run_args(label: str, base: dict, size: dict, opts: argparse.Namespace) -> di
 
 
 @contextlib.contextmanager
-def serving_apps(apps: dict[str, dict], opts: argparse.Namespace) -> Iterator[dict[str, str]]:
-    """The URL of each application (label -> args), all served at once on one private local
-    Ray, each under the route prefix /<label>; Serve and Ray stopped afterwards, whatever
-    happens. As bench/serving_bench.py `serving` does for one, HAProxy ingress included."""
+def serving_apps(apps: dict[str, dict],
+                 opts: argparse.Namespace) -> Iterator[dict[str, str | Exception]]:
+    """The URL of each application (label -> args), or why it did not start, all served at
+    once on one private local Ray, each under the route prefix /<label>; Serve and Ray stopped
+    afterwards, whatever happens. As bench/serving_bench.py `serving` does for one, HAProxy ingress included."""
     import psutil  # after ray, which carries it (ray/thirdparty_files) where pip did not
     from ray import serve
 
@@ -197,17 +198,22 @@ def serving_apps(apps: dict[str, dict], opts: argparse.Namespace) -> Iterator[di
         serve.run_many([serve.RunTarget(build_app(args), name=f"kvt-{label}",
                                         route_prefix=f"/{label}")
                         for label, args in apps.items()], wait_for_applications_running=False)
-        urls = {label: f"http://127.0.0.1:{port}/{label}" for label in apps}
+        urls: dict[str, str | Exception] = {}
         deadline = time.monotonic() + opts.start_timeout
-        for label, url in urls.items():
-            while get_text(f"{url}/health", timeout=5) is None:
+        for label in apps:
+            urls[label] = f"http://127.0.0.1:{port}/{label}"
+            # One application failing to start leaves the other to be measured.
+            while get_text(f"{urls[label]}/health", timeout=5) is None:
                 app = serve.status().applications.get(f"kvt-{label}")
                 if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-                    raise RuntimeError(f"the tiers-{label} application failed to start: "
-                                       f"{app.message}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the tiers-{label} application not healthy after "
-                                       f"{opts.start_timeout} s")
+                    urls[label] = RuntimeError(f"the tiers-{label} application failed to "
+                                               f"start: {app.message}")
+                elif time.monotonic() > deadline:
+                    urls[label] = TimeoutError(f"the tiers-{label} application not healthy "
+                                               f"after {opts.start_timeout} s")
+                if isinstance(urls[label], Exception):
+                    print(f"kv_tiers_serving: {urls[label]}", file=sys.stderr)
+                    break
                 time.sleep(1)
         yield urls
     finally:
@@ -243,7 +249,7 @@ def measure(label: str, url: str, opts: argparse.Namespace, seconds: float,
                     "--system-prompt-tokens", str(opts.system_prompt_tokens // 2 + 1)])
     seconds -= time.monotonic() - began
     if seconds < 10:
-        raise SystemExit(f"--budget-s: no time left for the tiers-{label} run")
+        raise RuntimeError(f"--budget-s: no time left for the tiers-{label} run")
     before, stats_before = scrape(url), engine_tier_stats(f"kvt-{label}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.json"
@@ -344,13 +350,20 @@ def main(argv: list[str] | None = None) -> int:
                 left = deadline - time.monotonic() - SHUTDOWN_S * (len(groups) - n)
                 left -= start_s * (len(groups) - n - 1)
                 runs_left = len(group) - k + sum(len(g) for g in groups[n + 1:])
-                row = measure(label, urls[label], opts, left / runs_left,
-                              BLOCK * size["kv_bytes_per_token"])
+                try:
+                    if isinstance(urls[label], Exception):
+                        raise urls[label]
+                    row = measure(label, urls[label], opts, left / runs_left,
+                                  BLOCK * size["kv_bytes_per_token"])
+                except Exception as e:  # noqa: BLE001 - the other run is still measured
+                    print(f"kv_tiers_serving: the tiers-{label} run failed: {e!r}",
+                          file=sys.stderr)
+                    row = {"error": repr(e)[:1000], "tier_stats": {}}
                 result["runs"][label] = {"start_s": start_s, "served_with": group, **row}
                 result["comparison"] = kv_tiers.compare(result["runs"], result["pinned_copy"])
                 out.write_text(json.dumps(header, indent=1) + "\n")   # each run kept as it ends
                 state = row["tier_stats"].get("state")
-                if label == "on" and state != "on":
+                if label == "on" and state != "on" and "error" not in row:
                     print(f"kv_tiers_serving: the tiers-on engine's tiers are {state!r}, not "
                           f"on ({row['tier_stats']}): its run measured no tier; see its log",
                           file=sys.stderr)
@@ -358,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
              for label, row in result["runs"].items()}
     print(json.dumps({"sizes": size, "pinned_copy": result["pinned_copy"], "runs": shown,
                       "comparison": result.get("comparison")}, indent=1))
-    return 0
+    return 1 if any("error" in row for row in result["runs"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def summary(report: dict) -> dict:
 
 
 def compare(runs: dict, copy: dict | None) -> dict | None:
-    if not {"off", "on"} <= set(runs):
+    if not {"off", "on"} <= set(runs) or any("error" in runs[k] for k in ("off", "on")):
         return None
     off, on = runs["off"], runs["on"]
     div = lambda a, b: round(a / b, 3) if a is not None and b else None
