@@ -23,7 +23,8 @@ the off / on ratios; the engine's tier counters over each run (actors/kv_tiers.p
 device copy rate measured here with torch.
 
 Every process it starts (the local Ray, Serve, the engines, the host tier) is stopped before
-it exits, SIGTERM included; `--budget-s` (470) bounds the whole call.
+it exits, SIGTERM included; `--budget-s` (470) bounds the whole call. PD_BENCH_KEEP_LOGS=DIR
+keeps Ray's logs there.
 """
 from __future__ import annotations
 
@@ -229,6 +230,11 @@ def serving_apps(apps: dict[str, dict],
                 print(f"kv_tiers_serving: ending {proc.pid} ({proc.name()}), left by Ray",
                       file=sys.stderr)
                 proc.kill()
+        keep = os.environ.get("PD_BENCH_KEEP_LOGS")    # a directory: Ray's logs go there
+        if keep:                                        # (as bench/serving_bench.py's)
+            with contextlib.suppress(OSError):
+                shutil.copytree(work / "session_latest" / "logs", Path(keep) / work.name,
+                                dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
