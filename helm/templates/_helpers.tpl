@@ -91,6 +91,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (gt $tp 1) (gt $gpus 0) (lt $gpus $tp) (or (eq $role "decode") (ne $v.mode "colocated")) -}}
 {{- fail (printf "%s.gpusPerReplica (%d) is below %s (%d): each rank needs a GPU" $role $gpus $what $tp) -}}
 {{- end -}}
+{{- /* AppConfig's kv_tiers rules, checked here so that `helm install` fails, not the app. */ -}}
+{{- if and $v.kvTiers.enabled (gt $tp 1) (or (eq $role "decode") (ne $v.mode "colocated")) -}}
+{{- fail (printf "kvTiers.enabled: not supported with %s %d yet (an engine's KV cache must be one shard)" $what $tp) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.kvTiers.enabled (not $v.engine.enablePrefixCaching) -}}
+{{- fail "kvTiers.enabled: needs engine.enablePrefixCaching (the tiers keep blocks by prefix hash)" -}}
 {{- end -}}
 {{- if $v.engine.maxModelLen -}}
 {{- range $key := list "maxTokens" "maxPromptTokens" -}}

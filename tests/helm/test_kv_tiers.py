@@ -1,7 +1,8 @@
 """The chart's kvTiers values (issue 47): they become the args' kv_tiers that AppConfig
 accepts, and with the tiers on each engine pod is given the host tier's bytes (one host tier
 per Ray node, i.e. per pod, in /dev/shm) in its /dev/shm size and its memory request and
-limit; the head, which runs no engine, is left as it is."""
+limit; the head, which runs no engine, is left as it is. What AppConfig refuses of them fails
+`helm template` too."""
 from __future__ import annotations
 
 import pytest
@@ -58,6 +59,11 @@ def test_tiers_off_leave_the_pods_as_the_values_size_them(helm):
 @pytest.mark.parametrize("sets, message", [
     (["kvTiers.enabled=true", "decode.resources.requests.memory=lots"],
      'cannot read "lots" as a memory size'),
+    # AppConfig's rules (router/app_config.py _check_kv_tiers), at render time.
+    (["kvTiers.enabled=true", "engine.enablePrefixCaching=false"],
+     "kvTiers.enabled: needs engine.enablePrefixCaching"),
+    (["kvTiers.enabled=true", "decode.tensorParallelSize=2", "decode.gpusPerReplica=2"],
+     "kvTiers.enabled: not supported with decode.tensorParallelSize 2 yet"),
     (["kvTiers.hostBytes=0"], "kvTiers.hostBytes"),
     (["kvTiers.colour=blue"], "colour"),
 ])
