@@ -149,15 +149,20 @@ class DiskTier:
         return os.path.join(self.path, f"{key:016x}{SUFFIX}")
 
     def _unlink(self, key: int) -> None:
+        self._unlink_name(os.path.basename(self._file(key)))
+
+    def _unlink_name(self, name: str) -> None:
         try:
-            os.unlink(self._file(key))
-        except OSError:
+            os.unlink(os.path.join(self.path, name))
+        except OSError:   # gone already (another tier process of the host removed it)
             pass
 
     def _index_existing(self) -> None:
         found = []
         for name in os.listdir(self.path):
-            if name.endswith(SUFFIX):
+            if name.endswith(SUFFIX + ".tmp"):   # a write its writer did not finish
+                self._unlink_name(name)
+            elif name.endswith(SUFFIX):
                 try:
                     key = int(name[:-len(SUFFIX)], 16)
                     found.append((os.path.getmtime(os.path.join(self.path, name)), key))

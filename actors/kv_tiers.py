@@ -25,6 +25,9 @@ Lifecycle (TierClient, one per engine actor, on its event loop):
                   are promoted into host memory first (the HostTier reads them, checksums
                   checked), then copied into fresh engine blocks, indexed as cached. The
                   caller releases the returned references once the request holds its blocks
+    tier death    ON → OFF (no loads; freed blocks not listed for it) → a new HostTier found
+                  or started on the node (its memory empty, its disk files indexed again) →
+                  ON; until one can be, OFF, retried every MIRROR_EVERY_S
     close()       ON → CLOSED: the task stops; the HostTier lives on (detached, per node), so
                   a replacement engine on the node finds what this one put
 Any failure of the tier (dead, slow, refused) only costs the reuse or the offload: logged,
@@ -39,6 +42,8 @@ import logging
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
+
+from ray.exceptions import RayActorError
 
 from actors.kv_pool import node_id
 from actors.kv_tier_host import start_host_tier
@@ -94,28 +99,40 @@ class TierClient:
             log.warning("KV tiers off for this engine: its KV cache is %d shards (tensor "
                         "parallel); the host tier copy needs one", len(shards))
             return
-        self.kv, layout = shards[0]
-        self.block_size = layout.block_size
-        self.block_bytes = layout.bytes_per_block_id
-        try:
-            self.pool = start_host_tier(layout, self.settings, self.timeout_s)
-            handle = await self._ask(self.pool.shared.remote())
-        except Exception as e:  # noqa: BLE001 - no tier: the engine serves without
-            log.warning("KV tiers off for this engine: no host tier on its node (%s)", e)
-            return
-        theirs = handle.layout if handle is not None else None
-        if theirs is None or theirs.num_blocks < 1 or \
-                _resized(theirs, layout.num_blocks) != layout:
-            log.warning("KV tiers off for this engine: the node's host tier has another KV "
-                        "layout (%s, ours %s)", theirs, layout)
-            return
-        self.segment = SharedSegment.attach(handle, node_id())
-        if self.segment is None:
-            log.warning("KV tiers off for this engine: cannot map the host tier's memory")
+        self.kv, self.layout = shards[0]
+        self.block_size = self.layout.block_size
+        self.block_bytes = self.layout.bytes_per_block_id
+        if not await self._attach():
             return
         await self.loop.call(lambda e: e.kv.allocator.collect_offloads())
         self.state = TierState.ON
         self._task = asyncio.ensure_future(self._run())
+
+    async def _attach(self) -> bool:
+        """Find or start the node's host tier and map its memory; False: not usable (why is
+        logged). Also how a tier that died is replaced (a new one, its memory empty, its
+        disk files found again)."""
+        layout = self.layout
+        try:
+            pool = start_host_tier(layout, self.settings, self.timeout_s)
+            handle = await self._ask(pool.shared.remote())
+        except Exception as e:  # noqa: BLE001 - no tier: the engine serves without
+            log.warning("KV tiers off for this engine: no host tier on its node (%s)", e)
+            return False
+        theirs = handle.layout if handle is not None else None
+        if theirs is None or _resized(theirs, layout.num_blocks) != layout:
+            log.warning("KV tiers off for this engine: the node's host tier has another KV "
+                        "layout (%s, ours %s)", theirs, layout)
+            return False
+        segment = SharedSegment.attach(handle, node_id())
+        if segment is None:
+            log.warning("KV tiers off for this engine: cannot map the host tier's memory")
+            return False
+        if self.segment is not None:
+            self.segment.close()
+        self.pool, self.segment = pool, segment
+        self._cursor, self._epoch = -1, None      # a new tier's events start over
+        return True
 
     def close(self) -> None:
         if self._task is not None:
@@ -127,9 +144,9 @@ class TierClient:
         """Hold the prompt's cached prefix, loading what the tiers hold past it when that
         beats computing it (module docstring). Returns the blocks it holds a reference on,
         for the caller to release (`KVCacheManager.release_blocks`, engine thread)."""
-        local = await self.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids))
         if self.state is not TierState.ON:
-            return local
+            return []
+        local = await self.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids))
         first = len(local)
         limit = (len(prompt_ids) - 1) // self.block_size      # never the last token's block
         if limit <= first:
@@ -223,7 +240,17 @@ class TierClient:
             except Exception as e:  # noqa: BLE001 - the next round tries again
                 self.stats["errors"] += 1
                 log.warning("KV tiers: offload or mirror failed: %s", e)
+                if isinstance(e, RayActorError):   # the tier died: find or start another
+                    await self._replace_tier()
                 await asyncio.sleep(MIRROR_EVERY_S)
+
+    async def _replace_tier(self) -> None:
+        self.state = TierState.OFF    # no loads meanwhile
+        # What was freed meanwhile has no tier to go to (the list would only grow).
+        await self.loop.call(lambda e: e.kv.allocator.offloads.clear())
+        self._offloaded.clear()       # the old tier's blocks are gone with it
+        if await self._attach():
+            self.state = TierState.ON
 
     async def _offload(self) -> None:
         async with self._offloading:

@@ -144,10 +144,10 @@ def test_colocated_prefix_comes_back_from_host_then_disk_never_from_a_bad_file(
         assert computed(engine) - before == 5
         assert stats(engine)["disk_hits"] == 4
         # ... which the router's metrics show, per replica and per node and tier.
-        def reported():   # the host tier's stats come with the engine's next mirror
+        def reported():   # the host tier's stats come with the engine's mirror, every 1 s
             load = ray.get(engine.load.remote())
-            return load if load.kv_tiers.get("host_tier") else None
-        load = wait_until(reported, 5, 0.1)
+            return load if load.kv_tiers.get("host_tier", {}).get("promoted") else None
+        load = wait_until(reported, 10, 0.1)
         metrics = RouterMetrics("tiny")
         metrics.set_loads([load])
         series = {(m.name, tuple(sorted(m.labels.items()))): m.value for f in
