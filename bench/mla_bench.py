@@ -36,10 +36,10 @@ LATENT, ROPE = 512, 64
 DEVICE, DTYPE = "cuda", torch.bfloat16
 L2_BYTES = 400 << 20        # cycle caches past 8x an H200's 50 MB of L2
 CALLS = 8
-# num_stages 5 is where Triton gives a table-addressed tile a second buffer (kernels/paged.py);
-# prefetch issues the next tile's loads before the current tile's dots, by hand.
-SWEEP = {"block_h": [16], "block_n": [16, 32], "num_warps": [4, 8], "num_stages": [2, 5],
-         "prefetch": [False, True]}
+# num_stages is left out: 2 to 5 compile alike (one buffer for a tile whose addresses come
+# from the block table, kernels/paged.py).
+SWEEP = {"block_h": [16, 32, 64], "block_n": [16, 32], "num_warps": [4, 8],
+         "num_splits": [None, 1, 2, 4]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

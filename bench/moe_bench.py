@@ -22,8 +22,8 @@ Per batch size T, reported per call:
   rel_err          fused_moe against the reference (relative norm): the GEMMs' accumulation
                    order apart, the same roundings (the kernel module's docstring)
   align_us         the sort alone (kernels/moe_align.py), graphed: torch's ops, and for
-                   T <= 512 the one-program kernel; fused_moe takes the latter up to
-                   ONE_PROGRAM_MAX_PAIRS pairs (`align_taken` says which it took here)
+                   T <= 512 the one-launch kernel; fused_moe takes the latter up to
+                   ONE_LAUNCH_MAX_PAIRS pairs (`align_taken` says which it took here)
 With --sweep, each of SWEEP's tiles is timed too (graphed), and the fastest named. Prints
 JSON on stdout, a line per batch size on stderr as it goes; a size that fails gets a row of
 its error, and the others still run.
@@ -41,7 +41,7 @@ import triton
 from bench.gemm_bench import time_graph
 from kernels.fused_moe import fused_moe_ref
 from kernels.fused_moe_triton import Tiles, fused_moe, tiles
-from kernels.moe_align import ONE_PROGRAM_MAX_PAIRS, moe_align, moe_align_one_program
+from kernels.moe_align import ONE_LAUNCH_MAX_PAIRS, moe_align, moe_align_one_launch
 from pd_cluster.models.fp8 import quantize_weight
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
@@ -119,7 +119,7 @@ def bench_tokens(tokens: int, weights: tuple, rate: float, fp8: bool, sweep: boo
            "torch_loop_us": round(eager_us(
                lambda x, r: fused_moe_ref(x, w13, w2, *r, 0, *scales), list(zip(xs, routes))), 2)}
     row["align_us"] = align_us(routes, row["tiles"][0]["block_m"])
-    row["align_taken"] = "one_program" if pairs <= ONE_PROGRAM_MAX_PAIRS else "torch"
+    row["align_taken"] = "one_launch" if pairs <= ONE_LAUNCH_MAX_PAIRS else "torch"
     if sweep:
         timed = {}
         for entry in SWEEP:
@@ -139,7 +139,7 @@ def align_us(routes: list, block_m: int) -> dict:
     ids = [route[1] for route in routes]
     ways = {"torch": moe_align}
     if ids[0].shape[0] <= 512:
-        ways["one_program"] = moe_align_one_program
+        ways["one_launch"] = moe_align_one_launch
     return {name: round(time_graph(lambda i, _, fn=fn: fn(i, EXPERTS, 0, block_m), ids, ids), 2)
             for name, fn in ways.items()}
 

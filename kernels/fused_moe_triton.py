@@ -42,8 +42,8 @@ measured W8A16 1.3-2.1x slower on a dense GEMM; kernels/fused_moe.py's reference
 quantization.
 
 Unmeasured (written without a GPU): the tiles (`tiles`, first guesses), the speed against
-the bytes it must read, and the cost of the sort (moe_align's one program, or its forty small
-torch launches past ONE_PROGRAM_MAX_PAIRS); bench/moe_bench.py measures them.
+the bytes it must read, and the cost of the sort (moe_align's one launch, or its forty small
+torch launches past ONE_LAUNCH_MAX_PAIRS); bench/moe_bench.py measures them.
 """
 from __future__ import annotations
 

@@ -56,69 +56,36 @@ BLOCK_H = 16
 BLOCK_N = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
-PREFETCH = False
-
-
-@triton.jit
-def _latent_tile(KVCache, table_row, n0, end, stride_block, stride_slot, offs_l, mask_l, offs_r,
-                 mask_r, LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Positions [n0, n0 + BLOCK_N) of one sequence, those before `end`: their latents c
-    [BLOCK_N, BLOCK_L], RoPE keys k_pe [BLOCK_N, BLOCK_R] (0 past `end`) and that mask."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    rows = paged_token_offsets(table_row, offs_n, mask_n, stride_block, stride_slot, PAGE_SIZE)
-    c = tl.load(KVCache + rows[:, None] + offs_l[None, :],
-                mask=mask_n[:, None] & mask_l[None, :], other=0.0)
-    k_pe = tl.load(KVCache + rows[:, None] + LATENT + offs_r[None, :],
-                   mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-    return c, k_pe, mask_n
-
-
-@triton.jit
-def _attend_latent_tile(acc, m_i, l_i, q_lat, q_pe, c, k_pe, mask_n, qk_scale,
-                        BOUNDS: tl.constexpr):
-    qk = tl.dot(q_lat, tl.trans(c))
-    qk = tl.dot(q_pe, tl.trans(k_pe), qk) * qk_scale
-    if BOUNDS:
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-    # Every chunk's first tile holds a position, so the running max is finite from the
-    # first tile; V is the latent itself.
-    return lazy_softmax_tile(acc, m_i, l_i, qk, c)
 
 
 @triton.jit
 def _attend_latent_range(acc, m_i, l_i, q_lat, q_pe, KVCache, table_row, start, end, qk_scale,
                          stride_block, stride_slot, offs_l, mask_l, offs_r, mask_r,
                          LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BOUNDS: tl.constexpr, PREFETCH: tl.constexpr):
+                         BOUNDS: tl.constexpr):
     """Online softmax of q (q_lat [BLOCK_H, BLOCK_L], q_pe [BLOCK_H, BLOCK_R]) over positions
     [start, end) of one sequence; acc [BLOCK_H, BLOCK_L] (unnormalised), m_i, l_i [BLOCK_H]
     (running base-2 max and sum) are carried in and returned. BOUNDS masks the positions past
     `end` (the ragged last tile); without it every tile must be full.
 
     The rescale is lazy, as kernels/paged.py attend_paged_range LAZY: acc is L wide (512),
-    so multiplying it by alpha every tile costs as much float work as the scores.
-    PREFETCH issues the next tile's loads before the current tile's dots: Triton does not
-    pipeline loads whose addresses come from the block table, and a program that waits on
-    each tile in turn leaves the memory system idle while it computes."""
-    if PREFETCH:
-        c, k_pe, mask_n = _latent_tile(KVCache, table_row, start, end, stride_block,
-                                       stride_slot, offs_l, mask_l, offs_r, mask_r,
-                                       LATENT, PAGE_SIZE, BLOCK_N)
-        for n0 in range(start, end, BLOCK_N):
-            c_next, k_next, mask_next = _latent_tile(
-                KVCache, table_row, n0 + BLOCK_N, end, stride_block, stride_slot, offs_l,
-                mask_l, offs_r, mask_r, LATENT, PAGE_SIZE, BLOCK_N)
-            acc, m_i, l_i = _attend_latent_tile(acc, m_i, l_i, q_lat, q_pe, c, k_pe, mask_n,
-                                                qk_scale, BOUNDS)
-            c, k_pe, mask_n = c_next, k_next, mask_next
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            c, k_pe, mask_n = _latent_tile(KVCache, table_row, n0, end, stride_block,
-                                           stride_slot, offs_l, mask_l, offs_r, mask_r,
-                                           LATENT, PAGE_SIZE, BLOCK_N)
-            acc, m_i, l_i = _attend_latent_tile(acc, m_i, l_i, q_lat, q_pe, c, k_pe, mask_n,
-                                                qk_scale, BOUNDS)
+    so multiplying it by alpha every tile costs as much float work as the scores."""
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        rows = paged_token_offsets(table_row, offs_n, mask_n, stride_block, stride_slot,
+                                   PAGE_SIZE)
+        c = tl.load(KVCache + rows[:, None] + offs_l[None, :],
+                    mask=mask_n[:, None] & mask_l[None, :], other=0.0)
+        k_pe = tl.load(KVCache + rows[:, None] + LATENT + offs_r[None, :],
+                       mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        qk = tl.dot(q_lat, tl.trans(c))
+        qk = tl.dot(q_pe, tl.trans(k_pe), qk) * qk_scale
+        if BOUNDS:
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        # Every chunk's first tile holds a position, so the running max is finite from the
+        # first tile; V is the latent itself.
+        acc, m_i, l_i = lazy_softmax_tile(acc, m_i, l_i, qk, c)
     return acc, m_i, l_i
 
 
@@ -143,8 +110,7 @@ def _mla_stage1_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     """DIRECT (one split): PartialOut is the output [B, H, L] itself, PartialLse is unused and
     stride_ps is 0."""
@@ -174,11 +140,11 @@ def _mla_stage1_kernel(
     acc, m_i, l_i = _attend_latent_range(
         acc, m_i, l_i, q_lat, q_pe, KVCache, table_row, start, full_end, qk_scale, stride_cb,
         stride_cs, offs_l, mask_l, offs_r, mask_r, LATENT=LATENT, PAGE_SIZE=PAGE_SIZE,
-        BLOCK_N=BLOCK_N, BOUNDS=False, PREFETCH=PREFETCH)
+        BLOCK_N=BLOCK_N, BOUNDS=False)
     acc, m_i, l_i = _attend_latent_range(
         acc, m_i, l_i, q_lat, q_pe, KVCache, table_row, full_end, end, qk_scale, stride_cb,
         stride_cs, offs_l, mask_l, offs_r, mask_r, LATENT=LATENT, PAGE_SIZE=PAGE_SIZE,
-        BLOCK_N=BLOCK_N, BOUNDS=True, PREFETCH=False)
+        BLOCK_N=BLOCK_N, BOUNDS=True)
     out = acc / l_i[:, None]
     part = PartialOut + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
     tl.store(part + offs_l[None, :], out.to(PartialOut.dtype.element_ty),
@@ -190,13 +156,13 @@ def _mla_stage1_kernel(
 
 def stage1_meta(num_heads: int, latent: int, rope: int, page_size: int, device: torch.device,
                 block_h: int = BLOCK_H, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                num_stages: int = NUM_STAGES, prefetch: bool = PREFETCH) -> dict:
+                num_stages: int = NUM_STAGES) -> dict:
     """The stage-1 kernel's constexprs and launch options for these shapes (also what the
     sm90 compile check in tests/kernels/test_mla.py builds)."""
     return dict(NUM_HEADS=num_heads, LATENT=latent, ROPE=rope, PAGE_SIZE=page_size,
                 BLOCK_H=block_h, BLOCK_L=max(16, triton.next_power_of_2(latent)),
                 BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=block_n,
-                PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **pdl_args(device))
+                num_warps=num_warps, num_stages=num_stages, **pdl_args(device))
 
 
 def mla_decode(
@@ -204,14 +170,13 @@ def mla_decode(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     max_seq_len: int | None = None, out: torch.Tensor | None = None,
     num_splits: int | None = None, block_h: int = BLOCK_H, block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, prefetch: bool = PREFETCH,
+    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Attend each sequence's query heads to its paged latent context (module docstring).
 
     max_seq_len (a host int) sizes the split count without a device sync. num_splits
     defaults to kernels/decode_attention.py choose_num_splits over the B x ceil(H / block_h)
-    programs of one split; block_h / block_n / num_warps / num_stages / prefetch are tuning
-    knobs.
+    programs of one split; block_h / block_n / num_warps / num_stages are tuning knobs.
     """
     batch, num_heads, latent = q_latent.shape
     rope = q_pe.shape[-1]
@@ -228,7 +193,7 @@ def mla_decode(
         num_splits = choose_num_splits(batch * head_blocks, max_seq_len,
                                        _num_sms(q_latent.device), PROGRAMS_PER_SM)
     meta = stage1_meta(num_heads, latent, rope, kv_cache.shape[1], q_latent.device, block_h,
-                       block_n, num_warps, num_stages, prefetch)
+                       block_n, num_warps, num_stages)
     stage1 = functools.partial(
         _mla_stage1_kernel[(head_blocks, batch, num_splits)], q_latent, q_pe, kv_cache,
         block_tables, seq_lens)

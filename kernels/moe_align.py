@@ -18,13 +18,16 @@ so a CUDA graph can capture it. `size` is the worst case: the runs take at most
 T*K + n * (block_m - 1) rows, n = min(E, T*K) being the most experts that can be chosen.
 
 Two ways, one result. `moe_align`: torch ops (a stable sort, a scatter and a search), some
-forty small launches, whatever T; the reference. `moe_align_one_program`: one Triton program
-(after a fill), for the pairs of a decode batch (up to ONE_PROGRAM_MAX_PAIRS), where those
-launches cost far more than the work: at 48 layers a step, forty graph nodes of a few
-microseconds each add up to milliseconds of a step of about 15. It walks the pairs CHUNK at a time against all
-experts at once ([E, CHUNK] one-hot tiles): counts per expert, then each pair's row (its
-expert's run start, plus the pairs of that expert before it), then each block's expert.
-`align` picks between them.
+forty small launches, whatever T; the reference. `moe_align_one_launch`: one Triton launch
+of a program per local expert, for the pairs of a decode batch (up to ONE_LAUNCH_MAX_PAIRS),
+where those launches cost far more than the work: at 48 layers a step, forty graph nodes of
+a few microseconds each add up to milliseconds of a step of about 15. Each program counts
+every expert's pairs (a histogram of the ids, CHUNK pairs at a time), which places its run,
+then writes its own pairs there in order (a cumulative sum of its hits), the sentinel in its
+run's padding and its blocks' expert id. (A single program that ranked all experts' pairs
+at once, [E, CHUNK] one-hot tiles and their cumulative sums, took 13 us at 384 pairs and
+24 us at 768 on an H200: half a millisecond of DeepSeek-V2-Lite's batch-128 step.) `align`
+picks between them.
 """
 from __future__ import annotations
 
@@ -32,12 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Pairs (T * K) up to which `align` takes the one-program kernel: decode batches up to 128 at
+# Pairs (T * K) up to which `align` takes the one-launch kernel: decode batches up to 128 at
 # top-8. Its loops walk the pairs one chunk after another, a few microseconds each, so past
 # some size the torch ops' parallel sort wins: where is unmeasured (bench/moe_bench.py times
 # both, `align_us`).
-ONE_PROGRAM_MAX_PAIRS = 1024
-TILE = 8192             # elements of the kernel's [E, CHUNK] tiles
+ONE_LAUNCH_MAX_PAIRS = 1024
+CHUNK = 256             # pairs a program takes at a time
 
 
 def padded_size(pairs: int, num_local_experts: int, block_m: int) -> int:
@@ -76,71 +79,78 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
 
 
 @triton.jit
-def _align_kernel(TopkIds, SortedIds, ExpertIds, NumPadded, pairs, first_expert, num_experts,
-                  num_blocks, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
-                  CHUNK: tl.constexpr):
-    """The module docstring's outputs, one program; SortedIds already holds the sentinel."""
-    experts = tl.arange(0, E_POW2)
-    offs = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_POW2], dtype=tl.int32)
-    for p0 in range(0, pairs, CHUNK):
-        hit = _one_hot(TopkIds, p0 + offs, pairs, first_expert, num_experts, experts)
-        counts += tl.sum(hit, axis=1)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(NumPadded, tl.sum(padded, axis=0))
-    # Each pair's row: its expert's next free row. A pair's expert is the one hot row of its
-    # column, so sums over experts pick that expert's values.
-    free = ends - padded
-    for p0 in range(0, pairs, CHUNK):
-        hit = _one_hot(TopkIds, p0 + offs, pairs, first_expert, num_experts, experts)
-        earlier = tl.cumsum(hit, axis=1) - hit      # the expert's pairs before, in this chunk
-        row = tl.sum(hit * (free[:, None] + earlier), axis=0)
-        tl.store(SortedIds + row, p0 + offs, mask=tl.sum(hit, axis=0) > 0)
-        free += tl.sum(hit, axis=1)
-    # Each block's expert: how many experts' runs end at or before its first row (torch's
-    # searchsorted(ends, start, right=True)); -1 past the last run.
-    real = experts < num_experts
-    for b0 in range(0, num_blocks, CHUNK):
-        block = b0 + offs
-        before = (ends[:, None] <= block[None, :] * BLOCK_M) & real[:, None]
-        expert = tl.sum(before.to(tl.int32), axis=0)
-        tl.store(ExpertIds + block, tl.where(expert < num_experts, expert, -1),
-                 mask=block < num_blocks)
-
-
-@triton.jit
-def _one_hot(TopkIds, pair, pairs, first_expert, num_experts, experts):
-    """[E_POW2, CHUNK] int32: 1 where column `pair`'s local expert is the row's; a column
-    past the pairs, or of an expert outside the local range, all 0."""
+def _local_expert(TopkIds, pair, pairs, first_expert, num_experts, BINS: tl.constexpr):
+    """[CHUNK] int32: each pair's local expert; BINS - 1 (past every real expert) for a pair
+    past `pairs` or of an expert outside the local range."""
     ids = tl.load(TopkIds + pair, mask=pair < pairs, other=-1)
     local = (ids - first_expert).to(tl.int32)
     keep = (pair < pairs) & (local >= 0) & (local < num_experts)
-    return ((local[None, :] == experts[:, None]) & keep[None, :]).to(tl.int32)
+    return tl.where(keep, local, BINS - 1)
 
 
-def moe_align_one_program(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
+@triton.jit
+def _align_kernel(TopkIds, SortedIds, ExpertIds, NumPadded, pairs, first_expert, num_experts,
+                  num_blocks, size, BLOCK_M: tl.constexpr, BINS: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """Program e: local expert e's run of SortedIds (its pairs, then the sentinel) and its
+    blocks' ExpertIds; program 0 also the rows and blocks past the last run, and NumPadded.
+    Every program counts all experts itself (a histogram of the pairs, cheap at decode
+    sizes), so no program waits on another."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for p0 in range(0, pairs, CHUNK):
+        counts += tl.histogram(_local_expert(TopkIds, p0 + offs, pairs, first_expert,
+                                             num_experts, BINS), BINS)
+    padded = tl.where(bins < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    start = tl.sum(tl.where(bins < e, padded, 0), axis=0)
+    filled = start + tl.sum(tl.where(bins == e, counts, 0), axis=0)
+    end = start + tl.sum(tl.where(bins == e, padded, 0), axis=0)
+    row = start
+    for p0 in range(0, pairs, CHUNK):      # its pairs, in ascending order
+        hit = (_local_expert(TopkIds, p0 + offs, pairs, first_expert, num_experts,
+                             BINS) == e).to(tl.int32)
+        tl.store(SortedIds + row + tl.cumsum(hit, axis=0) - hit, p0 + offs, mask=hit > 0)
+        row += tl.sum(hit, axis=0)
+    _fill(SortedIds, filled, end, pairs, CHUNK)
+    _fill(ExpertIds, start // BLOCK_M, end // BLOCK_M, e, CHUNK)
+    if e == 0:
+        total = tl.sum(padded, axis=0)
+        tl.store(NumPadded, total)
+        _fill(SortedIds, total, size, pairs, CHUNK)
+        _fill(ExpertIds, total // BLOCK_M, num_blocks, -1, CHUNK)
+
+
+@triton.jit
+def _fill(Out, start, end, value, CHUNK: tl.constexpr):
+    """Out[start:end] = value."""
+    for i0 in range(start, end, CHUNK):
+        i = i0 + tl.arange(0, CHUNK)
+        tl.store(Out + i, tl.full([CHUNK], value, tl.int32), mask=i < end)
+
+
+def moe_align_one_launch(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
                           block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_align`'s outputs by one Triton program (module docstring), topk_ids contiguous."""
+    """`moe_align`'s outputs by one launch (module docstring), topk_ids contiguous."""
     assert topk_ids.is_contiguous()
     pairs, experts = topk_ids.numel(), num_local_experts
     size = padded_size(pairs, experts, block_m)
-    sorted_ids = torch.full((size,), pairs, dtype=torch.int32, device=topk_ids.device)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=topk_ids.device)
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=topk_ids.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
-    e_pow2 = triton.next_power_of_2(experts)
-    chunk = max(16, min(1024, TILE // e_pow2))
-    _align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, num_padded, pairs, first_expert,
-                        experts, size // block_m, BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk,
-                        num_warps=8)
+    _align_kernel[(experts,)](topk_ids, sorted_ids, expert_ids, num_padded, pairs,
+                              first_expert, experts, size // block_m, size, BLOCK_M=block_m,
+                              BINS=triton.next_power_of_2(experts + 1), CHUNK=CHUNK,
+                              num_warps=4)
     return sorted_ids, expert_ids, num_padded
 
 
 def align(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
           block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_align`'s outputs, by one program up to ONE_PROGRAM_MAX_PAIRS pairs, else by torch
+    """`moe_align`'s outputs, by one launch up to ONE_LAUNCH_MAX_PAIRS pairs, else by torch
     ops (module docstring). For Triton's tensors: CUDA, or any under its interpreter."""
-    if topk_ids.numel() <= ONE_PROGRAM_MAX_PAIRS:
-        return moe_align_one_program(topk_ids.contiguous(), num_local_experts, first_expert,
+    if topk_ids.numel() <= ONE_LAUNCH_MAX_PAIRS:
+        return moe_align_one_launch(topk_ids.contiguous(), num_local_experts, first_expert,
                                      block_m)
     return moe_align(topk_ids, num_local_experts, first_expert, block_m)

@@ -131,6 +131,22 @@ def mla_rope_store_ref(q: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Ten
     cache[slots // block_size, slots % block_size] = entries[keep].to(cache.dtype)
 
 
+def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                    sigmoid: bool, renormalize: bool, eps: float, scale: float,
+                    dtype: torch.dtype, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/moe_router.py: each token's top_k experts by score (+ bias) and their weights
+    (the scores, / (their sum + eps) when renormalised, x scale) in `dtype`, computed in fp32.
+    `sorted` False: torch's unsorted top-k, which transformers' DeepSeek routers take (the
+    ids' order only changes the order the experts' outputs are summed in)."""
+    scores = logits.float().sigmoid() if sigmoid else logits.float().softmax(-1)
+    choice = scores if bias is None else scores + bias
+    ids = torch.topk(choice, top_k, dim=-1, sorted=sorted)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    return (weights * scale).to(dtype), ids
+
+
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2 * I] = [gate | up] -> [T, I] (HF LlamaMLP order)."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -25,6 +25,7 @@ from torch import nn
 
 from pd_cluster.config import ModelConfig
 from pd_cluster.models.deepseek_config import GroupedRouting
+from pd_cluster.models import ops
 from pd_cluster.models.layers import GatedMLP
 from pd_cluster.models.moe import SparseMoE
 from pd_cluster.models.parallel import _parameter
@@ -66,7 +67,12 @@ class GroupedRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight)
-        scores = logits.sigmoid() if self.routing.scoring == "sigmoid" else logits.softmax(-1)
+        r = self.routing
+        if r.method == "greedy" or r.topk_group == r.n_group:     # no groups to rank
+            return ops.router_topk(logits, self.e_score_correction_bias, self.top_k,
+                                   r.scoring == "sigmoid", self.renormalize, 1e-20,
+                                   r.routed_scaling_factor, x.dtype, sorted=False)
+        scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(-1)
         ids = grouped_topk(scores, self.e_score_correction_bias, self.top_k, self.routing)
         weights = scores.gather(1, ids)
         if self.renormalize:

@@ -73,12 +73,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] in x's dtype, topk_ids [T, k])."""
-        logits = ops.linear(x, self.weight, None)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return ops.router_topk(ops.linear(x, self.weight, None), None, self.top_k,
+                               sigmoid=False, renormalize=self.renormalize, eps=0.0, scale=1.0,
+                               dtype=x.dtype)
 
 
 class Experts(nn.Module):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fused_moe import fused_moe_ref
+from kernels.reference import router_topk_ref
 from pd_cluster.distributed import all_reduce, get_tp
 from pd_cluster.models import fp8
 
@@ -25,8 +26,8 @@ def use_triton(enabled: bool) -> None:
     if not enabled:
         _kernels = _linear = None
         return
-    from kernels import activation, fused_moe_triton, linear, rmsnorm
-    _kernels = (rmsnorm, activation, fused_moe_triton)
+    from kernels import activation, fused_moe_triton, linear, moe_router, rmsnorm
+    _kernels = (rmsnorm, activation, fused_moe_triton, moe_router)
     _linear = linear.Dispatch()
 
 
@@ -109,6 +110,19 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):
 def _activation(out, dtype: torch.dtype):
     """A quantizing kernel's (xq, scale) as an Fp8Activation; a plain tensor as it is."""
     return fp8.Fp8Activation(*out, dtype) if isinstance(out, tuple) else out
+
+
+def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool,
+                renormalize: bool, eps: float, scale: float, dtype: torch.dtype,
+                sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE router's (topk_weights in dtype, topk_ids) from its logits [T, E]
+    (kernels/moe_router.py's contract): one kernel on a GPU, else the torch reference (whose
+    `sorted` says which order of ids transformers' router gives)."""
+    if _fast(logits) and logits.shape[-1] <= _kernels[3].MAX_EXPERTS:
+        return _kernels[3].router_topk(logits, bias, top_k, sigmoid, renormalize, eps, scale,
+                                       dtype)
+    return router_topk_ref(logits, bias, top_k, sigmoid, renormalize, eps, scale, dtype,
+                           sorted)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -73,7 +73,6 @@ def test_mla_decode_matches_reference(block_size, num_heads, num_splits):
     ([70, 5], 16, 24, dict(block_n=64, num_splits=2)),   # half a head block; tile = 4 blocks
     ([100, 33, 17], 64, 32, dict(block_h=32, block_n=32, num_splits=2)),  # tile < block
     ([300, 90], 16, 16, {}),                             # the launcher picks the splits
-    ([70, 5, 33], 16, 16, dict(prefetch=True, num_splits=2)),  # next tile loaded ahead
 ])
 def test_mla_decode_shapes_and_knobs(seq_lens, block_size, num_heads, knobs):
     check_mla(seq_lens, block_size, num_heads, latent=64, rope=16, **knobs)

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 
 from kernels.fused_moe import fused_moe_ref  # noqa: E402
 from kernels.fused_moe_triton import Tiles, fused_moe, moe_sum, tiles  # noqa: E402
-from kernels.moe_align import (ONE_PROGRAM_MAX_PAIRS, align, moe_align,  # noqa: E402
-                               moe_align_one_program, padded_size)
+from kernels.moe_align import (ONE_LAUNCH_MAX_PAIRS, align, moe_align,  # noqa: E402
+                               moe_align_one_launch, padded_size)
 from pd_cluster.models.fp8 import quantize_weight  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -55,11 +55,11 @@ def align_brute_force(ids: list[list[int]], experts: int, first: int, block_m: i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fn,cases", [(moe_align, 300), (moe_align_one_program, 60)])
+@pytest.mark.parametrize("fn,cases", [(moe_align, 300), (moe_align_one_launch, 30)])
 def test_moe_align_matches_brute_force(fn, cases):
     """Random routings: E 1..8 local experts at a random offset in a larger global range (so
     that some choices fall outside it), K 1..4, T 1..40, several block sizes and id dtypes;
-    torch's ops and the one-program kernel alike."""
+    torch's ops and the one-launch kernel alike."""
     rng = random.Random(0)
     for case in range(cases):
         experts, top_k, tokens = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 40)
@@ -77,7 +77,7 @@ def test_moe_align_matches_brute_force(fn, cases):
         assert num_padded.tolist() == [want_padded]
 
 
-@pytest.mark.parametrize("fn", [moe_align, moe_align_one_program])
+@pytest.mark.parametrize("fn", [moe_align, moe_align_one_launch])
 def test_moe_align_shapes_depend_on_sizes_alone(fn):
     """A CUDA graph replays one shape: a routing onto one expert and one spread over all of
     them (the worst case) give the same buffer sizes, and the worst case fills them."""
@@ -91,16 +91,15 @@ def test_moe_align_shapes_depend_on_sizes_alone(fn):
     assert fn(spread, experts, 0, block_m)[2].item() == 8 * block_m
 
 
-@pytest.mark.parametrize("experts,first,global_experts", [(128, 0, 128), (64, 64, 128),
-                                                          (60, 3, 70)])
-def test_one_program_align_gives_torchs_at_decode_sizes(experts, first, global_experts):
-    """Qwen3-30B-A3B's routing (top-8 of 128), whole and on the second of two expert-parallel
-    ranks, and an expert count no power of two: `align` takes the one-program kernel for
-    these (up to ONE_PROGRAM_MAX_PAIRS pairs), here over many of its chunks of pairs (64 at
-    128 experts) and of blocks, at the tiles' row counts."""
-    assert 128 * 8 <= ONE_PROGRAM_MAX_PAIRS
+@pytest.mark.slow      # under the interpreter, a program per expert runs one after another
+@pytest.mark.parametrize("experts,first,global_experts", [(128, 0, 128), (60, 3, 70)])
+def test_one_launch_align_gives_torchs_at_decode_sizes(experts, first, global_experts):
+    """Qwen3-30B-A3B's routing (top-8 of 128), and an expert count no power of two on a rank
+    whose experts start at 3: `align` takes the one-launch kernel for these (up to
+    ONE_LAUNCH_MAX_PAIRS pairs), here over several of its chunks of pairs and of blocks."""
+    assert 128 * 8 <= ONE_LAUNCH_MAX_PAIRS
     gen = torch.Generator().manual_seed(experts)
-    for tokens, block_m in ((1, 16), (9, 64), (128, 16)):
+    for tokens, block_m in ((9, 64), (128, 16)):
         ids = torch.stack([torch.randperm(global_experts, generator=gen)[:8]
                            for _ in range(tokens)]).to(DEVICE)
         want = moe_align(ids, experts, first, block_m)
@@ -143,13 +142,13 @@ def test_fused_moe_matches_reference(tokens, experts, top_k, first, global_exper
     assert not out[none_local].any()
 
 
-def test_fused_moe_with_torchs_sort_past_the_one_program_size(monkeypatch):
-    """Past ONE_PROGRAM_MAX_PAIRS (here 0) the pairs are sorted by torch's ops: the same
+def test_fused_moe_with_torchs_sort_past_the_one_launch_size(monkeypatch):
+    """Past ONE_LAUNCH_MAX_PAIRS (here 0) the pairs are sorted by torch's ops: the same
     result."""
     import kernels.moe_align
 
     x, w13, w2, weights, ids = moe_inputs(17, 3, 2, 4, 8)
-    monkeypatch.setattr(kernels.moe_align, "ONE_PROGRAM_MAX_PAIRS", 0)
+    monkeypatch.setattr(kernels.moe_align, "ONE_LAUNCH_MAX_PAIRS", 0)
     assert rel(fused_moe(x, w13, w2, weights, ids, 4),
                fused_moe_ref(x, w13, w2, weights, ids, 4)) < 1e-5
 

@@ -4,7 +4,7 @@ sizes: decode batches and prefill chunks, the whole layer on one GPU, 64 whole e
 (expert parallel over 2) and half of every expert (tensor parallel over 2), bf16 and FP8
 experts. The CPU suite runs the kernels under Triton's interpreter, which accepts code the
 compiler refuses (a plain module global read inside a kernel, say), so a kernel can pass
-every CPU test and still fail on the first GPU call. kernels/moe_align.py's one-program sort
+every CPU test and still fail on the first GPU call. kernels/moe_align.py's one-launch sort
 too, for each layout's local expert count.
 
 The compile runs in a process without TRITON_INTERPRET (under it `triton.jit` gives
@@ -81,15 +81,16 @@ for weights in ("bf16", "fp32"):
         moe._moe_sum_kernel, {"Y": "*bf16", "TopkIds": "*i64", "TopkWeights": f"*{weights}",
                               "Out": "*bf16"}, {"TOP_K": K, "K_POW2": K, "BLOCK_H": moe.SUM_BLOCK},
         4)
-# The one-program sort of a decode batch's pairs, at each layout's local expert count (and
+# The one-launch sort of a decode batch's pairs, at each layout's local expert count (and
 # DeepSeek-V3's 256, which takes the same kernel).
 for experts in sorted({experts for experts, _ in LAYOUTS.values()} | {256}):
     for block_m in (16, 32, 64):
-        e_pow2 = triton.next_power_of_2(experts)
         out[f"align_e{experts}_m{block_m}"] = compile(
             align._align_kernel, {"TopkIds": "*i64", "SortedIds": "*i32", "ExpertIds": "*i32",
-                                  "NumPadded": "*i32", "pairs": "i32", "num_blocks": "i32"},
-            {"BLOCK_M": block_m, "E_POW2": e_pow2, "CHUNK": align.TILE // e_pow2}, 8)
+                                  "NumPadded": "*i32", "pairs": "i32", "num_blocks": "i32",
+                                  "size": "i32"},
+            {"BLOCK_M": block_m, "BINS": triton.next_power_of_2(experts + 1),
+             "CHUNK": align.CHUNK}, 4)
 print(json.dumps(out))
 """
 
