@@ -1,5 +1,5 @@
 """Mixture-of-experts engines (Qwen3-MoE, Mixtral) with their experts on
-kernels/fused_moe_triton.py, its pairs sorted by moe_align's one-program kernel (on a CPU
+kernels/fused_moe_triton.py, its pairs sorted by moe_align's one-launch kernel (on a CPU
 under Triton's interpreter), give the torch backend's greedy output (kernels/fused_moe.py's
 reference). ops.fused_moe takes the kernel for CUDA tensors only, so here the Triton
 backend's engine is sent to it by hand. On a GPU, with CUDA graphs: test_moe_gpu.py."""
