@@ -145,7 +145,7 @@ def sizes(opts: argparse.Namespace, settings: MultiTurnSettings) -> dict:
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
     # The host tier lives in /dev/shm (actors/pool_shm.py), beside Ray's object store: a
     # container's may be small.
-    host = min(wanted, int((shm - OBJECT_STORE_BYTES) * 0.8)) \
+    host = min(wanted, max(int((shm - OBJECT_STORE_BYTES) * 0.8), 1)) \
         if shm and not opts.host_bytes else wanted
     return {"kv_bytes_per_token": per_token, "distinct_kv_tokens": distinct,
             "last_context_tokens": last, "gpu_kv_blocks": blocks, "gpu_kv_tokens": blocks * BLOCK,
