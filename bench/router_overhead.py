@@ -55,6 +55,7 @@ from ray import serve
 
 from bench.harness.serving_runs import get_text, set_args
 from bench.serving_bench import APP, borrow_client, free_port, ingress_env
+from bench.tracing_cost import off_path_us
 from pd_cluster.request import FinishReason
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import load_tokenizer
@@ -62,7 +63,7 @@ from router.app import build_app
 from router.app_config import AppConfig
 from router.control.model import model_dir
 from router.routing import RoutingInputs, make_policy
-from router.tracing import EXPORT_EVERY_MS, off_path_us
+from router.tracing import EXPORT_EVERY_MS
 
 ROOT = Path(__file__).resolve().parents[1]
 

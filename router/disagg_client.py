@@ -178,9 +178,10 @@ class DisaggregatedClient:
                         yield acc.add(first)
                     if decoding is not None:
                         await self._take_over(attempt, decoding, prompt, left)
-                    async for delta in self.streams.deltas(attempt.id, self.timeout_s):
-                        if job is not None and delta.finished:
-                            job.decoded(d_id, delta.engine_times, time.monotonic())
+                    deltas = self.streams.deltas(attempt.id, self.timeout_s)
+                    if job is not None:     # (untraced: no per-token work for tracing)
+                        deltas = job.watch(deltas, d_id)
+                    async for delta in deltas:
                         yield acc.add(delta)
                     attempt.move_to(Stage.FINISHED)
                     return

@@ -32,6 +32,7 @@ Span tree of a disaggregated request (attribute `pd.process`: router | prefill-N
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import time
@@ -260,6 +261,15 @@ class JobTrace:
         trace.add("decode", _ns(first, o), _ns(received, trace.offset), process)
         self.landed = None
 
+    async def watch(self, deltas: AsyncIterator[Any], d_id: int) -> AsyncIterator[Any]:
+        """D's stream of StreamDeltas as it comes; its last one's engine stamps recorded
+        (`decoded`) when it arrives."""
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                if delta.finished:
+                    self.decoded(d_id, delta.engine_times, time.monotonic())
+                yield delta
+
     def migrated(self, from_d: int, to_d: int, detected: float, tokens: int) -> None:
         trace = self.trace
         trace.add("migration", _ns(detected, trace.offset), _ns(time.monotonic(), trace.offset),
@@ -342,51 +352,3 @@ class SpanFile:
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
 
-
-def off_path_us(n: int = 20000) -> dict[str, float]:
-    """What tracing costs a request in this process (bench/router_overhead.py reports it),
-    microseconds, best of three: off, `traced` around the handler's coroutine and the P/D
-    client's one CURRENT lookup against awaiting the coroutine bare; on, a request's trace
-    begun, given the eleven spans of a disaggregated request and finished (built and handed
-    to the span file's batch; the export itself runs on the processor's thread)."""
-    import asyncio
-    import tempfile
-
-    async def body() -> dict:
-        return {}
-
-    async def bare() -> None:
-        for _ in range(n):
-            await body()
-
-    async def hooked() -> None:
-        for _ in range(n):
-            await traced(None, "text_completion", "m", None, body())
-            CURRENT.get()
-
-    def best(run: Any, count: int) -> float:
-        times = []
-        for _ in range(3):
-            began = time.perf_counter()
-            asyncio.run(run())
-            times.append(time.perf_counter() - began)
-        return min(times) / count * 1e6
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tracing = Tracing(TracingConfig(enabled=True, file=f"{tmp}/spans.jsonl"), "bench")
-
-        async def on() -> None:
-            for _ in range(n // 20):
-                trace = tracing.begin("text_completion", "m", None)
-                now = time.monotonic()
-                for name in ("router.route", "router.dispatch", "prefill", "prefill.queue",
-                             "prefill.compute", "kv.transfer", "decode.landing",
-                             "decode.queue", "decode"):
-                    trace.add(name, _ns(now, trace.offset), _ns(now, trace.offset),
-                              {"pd.process": ROUTER})
-                trace.finish()
-        traced_us = best(on, n // 20)
-        tracing.shutdown()
-    plain, off = best(bare, n), best(hooked, n)
-    return {"bare_us": round(plain, 3), "off_us": round(off, 3),
-            "off_cost_us": round(off - plain, 3), "on_us": round(traced_us, 1)}
