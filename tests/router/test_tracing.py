@@ -109,7 +109,11 @@ def _request(url: str, path: str, body: dict) -> tuple[str, str, dict, float]:
                    headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
     latency = time.perf_counter() - began
     assert r.status_code == 200, r.text
-    return trace_id, span_id, r.json(), latency
+    if not body.get("stream"):
+        return trace_id, span_id, r.json(), latency
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    return trace_id, span_id, next(e for e in events if e.get("usage")), latency
 
 
 def _check_trace(spans: list[dict], client_span: str, usage: dict, latency: float) -> dict:
@@ -163,8 +167,9 @@ def test_one_trace_per_request(traced_server, tmp_path):
     plain = _request(url, "/v1/completions", {
         "model": "default", "prompt": "The capital of France is", "max_tokens": 8,
         "temperature": 0})
-    grammar = _request(url, "/v1/chat/completions", {
-        "model": "default", "max_tokens": 12, "temperature": 0,
+    grammar = _request(url, "/v1/chat/completions", {     # streamed: the SSE path's trace
+        "model": "default", "max_tokens": 12, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "Name a city as JSON."}],
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "city", "schema": SCHEMA}}})
