@@ -44,6 +44,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: GrammarSpec | None = None     # the output must match it (pd_cluster/structured)
+    # Salts the prompt's KV block hashes: prompts with different salts never share cached KV
+    # (vLLM's cache_salt; the router puts a tenant's salt here, router/tenants.py).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

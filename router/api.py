@@ -1,14 +1,13 @@
 """The HTTP surface: FastAPI routes over OpenAIServing, auth, body limits, error bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three need
-`Authorization: Bearer <key>` when an API key is configured), GET /health (each engine tier:
+`Authorization: Bearer <key>` when an API key or tenants are configured: router/tenants.py), GET /health (each engine tier:
 ready / degraded / pending, and why a replica is pending; 503 while a tier has no READY
 replica), GET /metrics.
 Every error, ours or Starlette's (unknown route, wrong method), is an OpenAI error body.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -21,9 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.control.membership import TierState
-from router.errors import APIError, ErrorCode, bad_request, internal, too_large, unauthorized
+from router import tenants
+from router.errors import APIError, ErrorCode, bad_request, internal, too_large
 from router.serving import OpenAIServing
 from router.streams import LoadMonitor, MembershipWatcher
+from router.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 # Body size limit: room for the longest allowed prompt as JSON-escaped text or as token ids.
@@ -33,13 +34,13 @@ BODY_BYTES_PER_TOKEN = 32
 
 class Router:
     """What the routes need: serving, load monitor, membership watcher (None: the client's
-    engines are fixed, as in tests), the API key (None: no auth), limits, and this replica's
+    engines are fixed, as in tests), who may call (None: anybody), limits, and this replica's
     name (the `x-pd-router` header of every answer)."""
 
     def __init__(self, serving: OpenAIServing, monitor: LoadMonitor,
-                 watcher: MembershipWatcher | None, api_key: str | None,
+                 watcher: MembershipWatcher | None, tenants: Tenants | None,
                  name: str = "") -> None:
-        self.serving, self.monitor, self.watcher, self.api_key = serving, monitor, watcher, api_key
+        self.serving, self.monitor, self.watcher, self.tenants = serving, monitor, watcher, tenants
         self.name = name or f"router-{os.getpid()}"
         self.max_body_bytes = BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * serving.max_prompt_tokens
         self.created = int(time.time())
@@ -66,14 +67,11 @@ class Router:
         return body, serving
 
     def authorize(self, request: Request) -> None:
-        """Check the API key; also starts the background polls, which need the running
-        event loop."""
+        """Check the API key and note whose it is for the serving code (tenants.CURRENT);
+        also starts the background polls, which need the running event loop."""
         self.start_background()
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise unauthorized()
+        if self.tenants is not None:
+            tenants.CURRENT.set(self.tenants.identify(request.headers.get("authorization", "")))
 
     async def json_body(self, request: Request) -> Any:
         """The request's JSON, read up to the size limit (413 beyond, 400 if malformed)."""

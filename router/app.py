@@ -47,6 +47,7 @@ from router.tracing import Tracing
 from router.routing import RoutingInputs, make_policy
 from router.serving import OpenAIServing
 from router.streams import LoadMonitor, MembershipWatcher
+from router.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 # Serve replaces a router replica whose process died at its next health check.
@@ -111,13 +112,13 @@ def make_client(config: AppConfig, engine: EngineConfig) -> Any:
 class OpenAIRouter:
     async def __init__(self, args: dict[str, Any], controller: Any) -> None:
         config = AppConfig.from_args(args)      # a bad config fails the deployment at once
-        api_key = _api_key(config)
+        tenants = _tenants(config)
         log_info("router.app", "router.streams")
         name = _replica_name() or f"router-{os.getpid()}"
         self.router: Router | None = None
         self.replica_app = ReplicaApp(name, ROUTER_HEADER)
         self._start = asyncio.get_running_loop().create_task(
-            self._start_routing(config, controller, api_key, name))
+            self._start_routing(config, controller, tenants, name))
         # Serve hands a replica traffic once this returns. While the application serves (this
         # replica replaces a dead one, or is added), the others answer meanwhile: return once
         # this one serves too, not with a 503 to every request the ingress sends here. The
@@ -125,8 +126,8 @@ class OpenAIRouter:
         if await _app_serving(controller):
             await asyncio.wait({self._start}, timeout=JOIN_SERVING_WITHIN_S)
 
-    async def _start_routing(self, config: AppConfig, controller: Any, api_key: str | None,
-                             name: str) -> None:
+    async def _start_routing(self, config: AppConfig, controller: Any,
+                             tenants: Tenants | None, name: str) -> None:
         """Until this is done, ReplicaApp answers 503 saying what the start waits for."""
         try:
             self.replica_app.waiting_for("the engine controller is resolving the model (the "
@@ -155,11 +156,11 @@ class OpenAIRouter:
             watcher.apply(await controller.membership.remote(-1, 0.0))
             watcher.ensure_started()
             self.router = Router(serving, LoadMonitor(client, policy, metrics), watcher,
-                                 api_key, name)
+                                 tenants, name)
             self.replica_app.serve(create_app(self.router))
             logger.info("router %s up: %s mode, %d prefill + %d decode replicas wanted, auth "
                         "%s", name, config.mode, config.num_prefill, config.num_decode,
-                        "on" if api_key else "off")
+                        "on" if tenants else "off")
         except Exception as e:  # noqa: BLE001 - said in every answer and by check_health
             logger.exception("router %s failed to start", name)
             self.replica_app.fail(str(e) or repr(e))
@@ -212,14 +213,17 @@ def _replica_name() -> str:
         return ""
 
 
-def _api_key(config: AppConfig) -> str | None:
+def _tenants(config: AppConfig) -> Tenants | None:
+    """Who may call: config.tenants, or api_key_env's one key; None: anybody."""
+    if config.tenants:
+        return Tenants.from_config(config.tenants, config.router_replicas)
     if config.api_key_env is None:
         return None
     key = os.environ.get(config.api_key_env)
     if not key:
         raise ValueError(f"api_key_env: environment variable {config.api_key_env} is not "
                          "set on the router's node")
-    return key
+    return Tenants.single(key)
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

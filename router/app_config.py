@@ -31,7 +31,7 @@ from pd_cluster.role import Role
 from router.app_sections import (ROUTING_POLICIES, KVPoolConfig,  # noqa: F401
                                  KVTiersConfig, Limits, PlannerConfig, RouterAutoscaling,
                                  Routing)
-from router.app_sections import TracingConfig
+from router.app_sections import TenantConfig, TracingConfig
 
 AUTO = "auto"
 # Share of its role's custom resource (named by the Role's value) that one replica asks for. A
@@ -107,7 +107,10 @@ class AppConfig(BaseModel):
         "a prefill failed: its decode replica prefills itself, or the request fails"))
     limits: Limits = Field(default_factory=Limits, description="what the router refuses")
     api_key_env: str | None = Field(None, description=(
-        "environment variable holding the API key; null: no auth"))
+        "environment variable holding the API key; null: no auth (or `tenants`)"))
+    tenants: list[TenantConfig] = Field(default_factory=list, description=(
+        "API keys of tenants, each with its own prefix-cache salt and rate limits "
+        "(router/tenants.py); instead of api_key_env"))
     routing: Routing = Field(default_factory=Routing, description="how replicas are picked")
     router_replicas: int = Field(1, ge=1, description=(
         "replicas of the router deployment (OpenAIRouter); leave at 1 with router_autoscaling"))
@@ -172,9 +175,24 @@ class AppConfig(BaseModel):
                 raise ValueError(f"limits.{name}: {value} exceeds engine.max_model_len {longest}")
         if self.planner.enabled:
             self._check_planner()
+        if self.tenants:
+            self._check_tenants()
         if self.kv_tiers.enabled:
             self._check_kv_tiers()
         return self
+
+    def _check_tenants(self) -> None:
+        if self.api_key_env is not None:
+            raise ValueError("tenants: set api_key_env or tenants, not both (a tenant has its "
+                             "own key)")
+        for field in ("name", "api_key_env"):
+            values = [getattr(t, field) for t in self.tenants]
+            if len(set(values)) < len(values):
+                raise ValueError(f"tenants: two tenants have the same {field}")
+        if self.router_autoscaling is not None and any(
+                t.requests_per_s or t.tokens_per_s for t in self.tenants):
+            raise ValueError("tenants: rate limits are shared among a fixed count of router "
+                             "replicas (router_replicas), not with router_autoscaling")
 
     def _check_kv_tiers(self) -> None:
         # The tiers keep and find blocks by prefix hash, which only the prefix cache gives

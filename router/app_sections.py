@@ -232,3 +232,22 @@ class TracingConfig(BaseModel):
         if self.enabled and self.endpoint is None and self.file is None:
             raise ValueError("enabled needs an endpoint or a file to send the spans to")
         return self
+
+
+class TenantConfig(BaseModel):
+    """One tenant (router/tenants.py): its API key, prefix-cache salt and rate limits."""
+
+    model_config = STRICT_MODEL_CONFIG
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$", description=(
+        "the tenant's name (in 429 messages and as its default cache salt)"))
+    api_key_env: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description=(
+        "environment variable holding the tenant's API key"))
+    cache_salt: str | None = Field(None, min_length=1, description=(
+        "salt of the tenant's prefix-cache entries; null: the name. Tenants with different "
+        "salts never share cached KV"))
+    requests_per_s: float | None = Field(None, gt=0, description=(
+        "requests a second the tenant may send, over all router replicas; null: no limit"))
+    tokens_per_s: float | None = Field(None, gt=0, description=(
+        "prompt tokens + max_tokens a second, over all router replicas; null: no limit"))
+

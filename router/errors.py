@@ -35,6 +35,7 @@ class ErrorCode(_WireEnum):
     MODEL_NOT_FOUND = "model_not_found"
     REQUEST_TOO_LARGE = "request_too_large"
     QUEUE_FULL = "queue_full"
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"   # a tenant's own limit (router/tenants.py)
     REQUEST_TIMEOUT = "request_timeout"
     INTERNAL_ERROR = "internal_error"
     ENGINE_UNAVAILABLE = "engine_unavailable"
@@ -93,6 +94,14 @@ def too_large(limit: int) -> APIError:
 def overloaded(retry_after_s: int) -> APIError:
     return APIError(429, "The server has too many requests waiting; retry later.",
                     type_=ErrorType.RATE_LIMIT, code=ErrorCode.QUEUE_FULL,
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def rate_limited(tenant: str, what: str, retry_after_s: int) -> APIError:
+    """429: a tenant's own rate limit (router/tenants.py), not the server's load."""
+    return APIError(429, f"Rate limit reached for {what} of tenant {tenant!r}; retry after "
+                    f"{retry_after_s} s.", type_=ErrorType.RATE_LIMIT,
+                    code=ErrorCode.RATE_LIMIT_EXCEEDED,
                     headers={"Retry-After": str(retry_after_s)})
 
 

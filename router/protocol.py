@@ -18,7 +18,6 @@ encode; any such string anywhere in the body is a 400 naming where it is.
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -157,6 +156,8 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] \
         | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: the prompt's cached KV is shared only with requests of the same salt (and tenant).
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # Structured output (router/structured_fields.py): OpenAI's and vLLM's.
     response_format: ResponseFormat | None = None
     guided_json: Any = None
@@ -218,8 +219,10 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
-        """Engine parameters of choice `index` (seeded choices differ by their index)."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
+                        tenant_salt: str | None = None) -> SamplingParams:
+        """Engine parameters of choice `index` (seeded choices differ by their index); the
+        cache salt is the tenant's and the request's together."""
         if self._grammar is not None and self.min_tokens:
             raise APIError(400, "min_tokens: must be 0 with structured output or a required "
                            "tool call (it would ban the end the grammar needs).",
@@ -233,7 +236,16 @@ class _Common(BaseModel):
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=self.repetition_penalty or 1.0,
                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                              grammar=self._grammar)
+                              grammar=self._grammar,
+                              cache_salt=_salt(tenant_salt, self.cache_salt))
+
+
+def _salt(tenant: str | None, request: str | None) -> str | None:
+    # The tenant's part first and length-prefixed, so no request salt can reproduce another
+    # tenant's.
+    if tenant is None:
+        return request
+    return f"{len(tenant)}:{tenant}:{request or ''}"
 
 
 class CompletionRequest(_Common):

@@ -23,6 +23,7 @@ from pd_cluster.request import FinishReason
 from pd_cluster.role import Role
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import Tokenizer
+from router import tenants
 from router.app_config import AppConfig
 from router.engine_client import EngineClient
 from router.errors import (APIError, EngineUnavailable, ErrorCode, bad_request, internal,
@@ -145,13 +146,15 @@ class OpenAIServing:
 
     def _jobs(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
               max_tokens: int | None, logprobs: int | None, request_id: str) -> list[Job]:
+        tenant = tenants.CURRENT.get()
         jobs = []
         for p, ids in enumerate(prompts):
             budget = self._max_tokens(max_tokens, len(ids))
             for i in range(req.n):
                 index = p * req.n + i
                 try:
-                    params = req.sampling_params(budget, logprobs, i)
+                    params = req.sampling_params(budget, logprobs, i,
+                                                 None if tenant is None else tenant.salt)
                 except ValueError as e:
                     raise bad_request(str(e)) from None
                 jobs.append(Job(index, p, f"{request_id}-{index}", ids, params))
@@ -163,6 +166,8 @@ class OpenAIServing:
         req.check_token_ids(self.tokenizer.vocab_size)
         jobs = self._jobs(req, prompts, max_tokens, logprobs, fmt.request_id)
         self.check_available()
+        if (tenant := tenants.CURRENT.get()) is not None:      # 429 past its own limits
+            tenant.admit(sum(len(job.prompt_ids) + job.params.max_tokens for job in jobs))
         trace = None if self.tracing is None else CURRENT.get()
         if trace is not None:
             trace.request(**{"gen_ai.response.id": fmt.request_id, "gen_ai.request.max_tokens":

@@ -15,6 +15,7 @@ from router.metrics import RouterMetrics
 from router.routing import ReplicaLoad, Route, RoutingInputs, make_policy
 from router.serving import OpenAIServing
 from router.streams import LoadMonitor
+from router.tenants import Tenants
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -30,10 +31,12 @@ class ScriptedClient:
         self.release = asyncio.Event()
         self.active: set[str] = set()
         self.aborted: list[str] = []
+        self.params: list[SamplingParams] = []      # every request's, in arrival order
         self.tokenizer = None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, route: Route) -> AsyncIterator[RequestOutput]:
+        self.params.append(params)
         prompt = self.tokenizer.decode(prompt_token_ids)
         if "refuse" in prompt:
             raise ValueError("request needs 999 KV blocks but the pool has 10")
@@ -67,7 +70,8 @@ class ScriptedClient:
 
 
 def make_client(tokenizer, **args) -> tuple[TestClient, ScriptedClient]:
-    config = AppConfig.from_args({"mode": "colocated", "api_key_env": "PD_KEY",
+    auth = {} if "tenants" in args else {"api_key_env": "PD_KEY"}
+    config = AppConfig.from_args({"mode": "colocated", **auth,
                                   "engine": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 2},
                                   "limits": {"max_tokens": 32, "max_queue": 1}, **args})
     engine = ScriptedClient()
@@ -75,7 +79,9 @@ def make_client(tokenizer, **args) -> tuple[TestClient, ScriptedClient]:
     metrics = RouterMetrics(config.engine.model)
     policy = make_policy("kv_aware", RoutingInputs(0, 1, config.engine.block_size))
     serving = OpenAIServing(config, engine, policy, tokenizer, MAX_MODEL_LEN, metrics)
-    router = Router(serving, LoadMonitor(engine, policy, metrics), None, KEY)
+    who = (Tenants.from_config(config.tenants, config.router_replicas) if config.tenants
+           else Tenants.single(KEY))
+    router = Router(serving, LoadMonitor(engine, policy, metrics), None, who)
     return TestClient(create_app(router), raise_server_exceptions=False), engine
 
 
