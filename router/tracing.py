@@ -35,12 +35,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 from router.app_sections import TracingConfig
 
+log = logging.getLogger(__name__)
 EXPORT_EVERY_MS = 1000      # how long a finished span may wait in the batch before export
 CURRENT: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
     "pd_request_trace", default=None)
@@ -71,9 +73,13 @@ class Tracing:
                                       "service.instance.id": instance}),
             sampler=ParentBased(TraceIdRatioBased(config.sampling_ratio)))
         if config.endpoint is not None:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                OTLPSpanExporter,
-            )
+            try:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+            except ImportError as e:
+                raise ValueError("tracing.endpoint needs the OTLP/HTTP exporter: pip install "
+                                 "'pd-cluster[tracing]'") from e
             self.provider.add_span_processor(BatchSpanProcessor(
                 OTLPSpanExporter(endpoint=config.endpoint), schedule_delay_millis=EXPORT_EVERY_MS))
         if config.file is not None:
@@ -293,34 +299,47 @@ async def traced(tracing: Tracing | None, operation: str, model: str,
                  headers: Mapping[str, str] | None, body: Awaitable[Any]) -> Any:
     """`await body` (the handler's work: a JSON body, or an async iterator of SSE events),
     traced as one request when tracing is on and the sampler keeps it."""
-    trace = tracing.begin(operation, model, headers) if tracing is not None else None
-    if trace is None:
+    if tracing is None:
         return await body
+    trace = tracing.begin(operation, model, headers)
     # Set in the handler's task, which ends with the request: the engine client's streams,
     # started from it, see it (a task copies its context when created).
     CURRENT.set(trace)
+    if trace is None:           # not sampled
+        return await body
     try:
         result = await body
     except BaseException as e:
-        trace.finish(e)
+        _finish(trace, e)
         raise
     if isinstance(result, dict):
-        trace.finish()
+        _finish(trace)
         return result
     return _finishing(trace, result)
 
 
 async def _finishing(trace: RequestTrace, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The SSE events; the trace ends after the last one (or with the error that ends them)."""
+    """The SSE events; the trace ends after the last one (or with the error that ends them,
+    the client going away included). Closing this closes `events`, which aborts the request's
+    engine requests (router/serving.py)."""
     error = None
     try:
-        async for event in events:
-            yield event
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
     except BaseException as e:
         error = e
         raise
     finally:
+        _finish(trace, error)
+
+
+def _finish(trace: RequestTrace, error: BaseException | None = None) -> None:
+    """End the trace; a failure of tracing is logged, never the request's."""
+    try:
         trace.finish(error)
+    except Exception:
+        log.exception("could not finish the trace of a request")
 
 
 class SpanFile:
