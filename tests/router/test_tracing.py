@@ -101,12 +101,14 @@ def traced_server(own_ray):
         collector.shutdown()
 
 
-def _request(url: str, path: str, body: dict) -> tuple[str, str, dict, float]:
-    """(trace id, client span id, the response body, latency in s) of one traced request."""
+def _request(url: str, path: str, body: dict, flags: str | None = "01"
+             ) -> tuple[str, str, dict, float]:
+    """(trace id, client span id, the response body, latency in s) of one request with a
+    traceparent (its trace flags `flags`; None: no traceparent)."""
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
     began = time.perf_counter()
-    r = httpx.post(f"{url}{path}", json=body, timeout=120,
-                   headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
+    r = httpx.post(f"{url}{path}", json=body, timeout=120, headers={} if flags is None else
+                   {"traceparent": f"00-{trace_id}-{span_id}-{flags}"})
     latency = time.perf_counter() - began
     assert r.status_code == 200, r.text
     if not body.get("stream"):
@@ -173,6 +175,9 @@ def test_one_trace_per_request(traced_server, tmp_path):
         "messages": [{"role": "user", "content": "Name a city as JSON."}],
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "city", "schema": SCHEMA}}})
+    short = {"model": "default", "prompt": "Hello", "max_tokens": 2}
+    unsampled = _request(url, "/v1/completions", short, flags="00")   # the client's choice
+    untraced = _request(url, "/v1/completions", short, flags=None)    # sampling_ratio 1
     # + grammar.compile in the router, on P and on D (each builds its own matcher)
     wanted = {plain[0]: len(CHAIN) + len(P_STAGES), grammar[0]: len(CHAIN) + len(P_STAGES) + 3}
 
@@ -181,6 +186,14 @@ def test_one_trace_per_request(traced_server, tmp_path):
             return [s for s in collector.spans if s["trace_id"] == trace_id]
     wait_until(lambda: all(len(spans_of(t)) >= n + 1 for t, n in wanted.items()),
                SPANS_WITHIN_S, 0.2, "every span of both traces at the collector")
+
+    def roots_of(response_id: str) -> list[dict]:
+        with collector.lock:
+            return [s for s in collector.spans if s["parent_id"] is None
+                    and s["attrs"].get("gen_ai.response.id") == response_id]
+    wait_until(lambda: roots_of(untraced[2]["id"]), SPANS_WITHIN_S, 0.2, "a trace of its own")
+    assert len(roots_of(untraced[2]["id"])) == 1
+    assert not spans_of(unsampled[0])       # exported with those, had it been sampled
     figures = {}
     for (trace_id, client_span, body, latency) in (plain, grammar):
         figures[trace_id] = _check_trace(spans_of(trace_id), client_span, body["usage"],
