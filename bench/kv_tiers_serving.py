@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = workload(opts)
     size = sizes(opts, settings)
     # Ray's logical CPUs of the dry run: an engine (0.5) and a router (1) per application.
-    opts.num_cpus = 1.5 * len(opts.runs) if opts.dry_run else None
+    opts.num_cpus = math.ceil(1.5 * len(opts.runs)) if opts.dry_run else None
     opts.num_gpus = 0 if opts.dry_run else None
     model = dummy_model_dir(opts.shape, word_tokenizer(
         str(Path(dummy_model_dir(opts.shape)).with_name("pd-cluster-word-tokenizer")),
