@@ -33,7 +33,7 @@ from actors.decode_side import DecodeSide
 from actors.engine_lease import EngineLease
 from actors.engine_loop import EngineLoop
 from actors.handoff import KVEndpoint, KVHandoff
-from actors.kv_tiers import TieredEngine
+from actors.kv_tier_engine import TieredEngine
 from actors.messages import DecodeTimes, KVDestination, PrefillResult, ReplicaLoad
 from actors.prefill_side import PrefillSide
 from actors.streaming import StreamingEngine

@@ -47,7 +47,6 @@ from ray.exceptions import RayActorError
 
 from actors.kv_pool import node_id
 from actors.kv_tier_host import start_host_tier
-from actors.messages import ReplicaLoad
 from actors.pool_shm import SharedSegment, copy_blocks
 from pd_cluster.block_allocator import Block, prefix_block_hashes
 from pd_cluster.kv_tiers import LoadCost, Tier, TierSettings
@@ -350,61 +349,5 @@ class TierClient:
 
 
 def _resized(layout: Any, num_blocks: int) -> Any:
-    import dataclasses
     return dataclasses.replace(layout, num_blocks=num_blocks)
 
-
-class TieredEngine:
-    """What an engine actor (ColocatedActor, EngineActor) adds for the KV tiers: a TierClient
-    when `kv_tiers` is given, started at its first use (an actor's __init__ cannot await)."""
-
-    loop: EngineLoop
-
-    def _init_tiers(self, kv_tiers: Any, timeout_s: float = 30.0) -> None:
-        self.tiers = None if kv_tiers is None else TierClient(self.loop, kv_tiers, timeout_s)
-        self._tiers_started: asyncio.Future | None = None
-
-    async def _tier_reuse(self, prompt_ids: list[int]) -> list[Block]:
-        """The prompt's prefix held (loaded from the tiers where worth it); [] with no
-        tiers. Release with `_tier_release` once the request holds its blocks."""
-        if self.tiers is None:
-            return []
-        if self._tiers_started is None:
-            self._tiers_started = asyncio.ensure_future(self.tiers.start())
-        try:
-            await asyncio.shield(self._tiers_started)
-        except Exception as e:  # noqa: BLE001 - off, not failed
-            log.warning("KV tiers off for this engine: %s", e)
-            self.tiers.state = TierState.OFF
-        return await self.tiers.reuse(prompt_ids)
-
-    def _tier_release(self, kept: list[Block]) -> None:
-        """Drop `_tier_reuse`'s references (queued on the engine thread, not waited for)."""
-        if kept:
-            asyncio.ensure_future(self.loop.call(lambda e: e.kv.release_blocks(kept)))
-
-    async def tier_stats(self) -> dict:
-        """This engine's tier counters (TierClient.stats), the cost rule's rates and its
-        node's host tier's stats (`host_tier`, as last fetched); {} with no tiers."""
-        return self._tier_report()
-
-    def _tier_report(self) -> dict:
-        if self.tiers is None:
-            return {}
-        t = self.tiers
-        return {**t.stats, "state": t.state.value, "prefill_tokens_per_s": t.cost.prefill_tps,
-                "host_gbps": t.cost.gbps[Tier.HOST], "disk_gbps": t.cost.gbps[Tier.DISK],
-                "host_tier": dict(t.host_stats)}
-
-    def _with_tiers(self, load: ReplicaLoad) -> ReplicaLoad:
-        """An engine's load report with its tier report (for the routers' metrics)."""
-        return load if self.tiers is None else dataclasses.replace(
-            load, kv_tiers=self._tier_report())
-
-    async def flush_tiers(self) -> int:
-        """Offload what the engine has freed now, not at the next tick (tests, drains);
-        returns how many blocks this engine has written down in all."""
-        if self.tiers is not None and self.tiers.state is TierState.ON:
-            await self.tiers._offload()
-            return self.tiers.stats["offloaded"]
-        return 0

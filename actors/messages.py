@@ -70,8 +70,9 @@ class ReplicaLoad:
     spec_decode: dict[str, float] = field(default_factory=dict)
     # The prefix cache's changes, when asked for (`load(prefix_since=...)`); else None.
     prefix: PrefixReport | None = None
-    # The KV tiers' counters, with kv_tiers on (actors/kv_tiers.py TieredEngine._tier_report:
-    # the engine's loads and offloads, its node's host tier's stats under "host_tier").
+    # The KV tiers' counters, with kv_tiers on (actors/kv_tier_engine.py: TieredEngine's
+    # _tier_report: the engine's loads and offloads, its node's host tier's stats under
+    # "host_tier").
     kv_tiers: dict = field(default_factory=dict)
 
 
