@@ -27,8 +27,12 @@ def load_spans(path: str | Path) -> list[dict[str, Any]]:
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        span = json.loads(line)
-        if not {"trace_id", "span_id", "name", "start_ns", "end_ns"} <= span.keys():
+        try:
+            span = json.loads(line)
+        except ValueError:
+            raise ValueError(f"{path}:{n}: not a JSON line") from None
+        if not isinstance(span, dict) or \
+                not {"trace_id", "span_id", "name", "start_ns", "end_ns"} <= span.keys():
             raise ValueError(f"{path}:{n}: not a span of router/tracing.py's SpanFile")
         spans.append(span)
     return spans
