@@ -57,7 +57,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* The application's args, AppConfig (router/app_config.py): each is the value of the same
      path in snake_case, but num_prefill / num_decode and the replicas' resources (from the
-     prefill / decode groups), api_key_env (from apiKey) and router_replicas /
+     prefill / decode groups), api_key_env (from apiKey), tenants (each tenant's keys too) and router_replicas /
      router_autoscaling (from router). */}}
 {{- define "pd-cluster.appArgs" -}}
 {{- $v := .Values -}}
@@ -110,6 +110,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $v.apiKey.secretName -}}
 {{- $_ := set $args "api_key_env" $v.apiKey.envName -}}
 {{- end -}}
+{{- if and $v.tenants $v.apiKey.secretName -}}
+{{- fail "tenants: set apiKey.secretName or tenants, not both (a tenant has its own key)" -}}
+{{- end -}}
+{{- $tenants := list -}}
+{{- range $t := $v.tenants -}}
+{{- $tenants = append $tenants (include "pd-cluster.snakeKeys" $t | fromYaml) -}}
+{{- end -}}
+{{- $_ := set $args "tenants" $tenants -}}
 {{- $_ := set $args "router_autoscaling" (include "pd-cluster.routerAutoscaling" . | fromYaml | default nil) -}}
 {{- if not $args.router_autoscaling -}}
 {{- $_ := set $args "router_replicas" (int $v.router.replicas) -}}

@@ -62,10 +62,10 @@ def tree_properties() -> Schema:
 
 
 def _value_schema(node: Schema, defs: dict[str, Schema]) -> Schema:
-    """One node of pydantic's schema as helm's: nested models inlined (a field's description
-    over its model's docstring), `X | None` as `type: [x, "null"]` (or null among the enum),
-    a single choice as an enum, an enum without its redundant `type`, property names in
-    camelCase. helm's messages name the value and the rule ("Invalid type. Expected:
+    """One node of pydantic's schema as helm's: nested models (and lists' items) inlined (a
+    field's description over its model's docstring), `X | None` as `type: [x, "null"]` (or
+    null among the enum), a single choice as an enum, an enum without its redundant `type`,
+    property names in camelCase. helm's messages name the value and the rule ("Invalid type. Expected:
     [integer,null]"), which an anyOf would bury."""
     node = {key: value for key, value in node.items() if key not in _DROPPED}
     if "$ref" in node:
@@ -84,6 +84,8 @@ def _value_schema(node: Schema, defs: dict[str, Schema]) -> Schema:
     if "properties" in node:
         node["properties"] = {camel(name): _value_schema(prop, defs)
                               for name, prop in node["properties"].items()}
+    if "items" in node:         # a list of models (tenants): each item inlined alike
+        node["items"] = _value_schema(node["items"], defs)
     return node
 
 

@@ -126,3 +126,16 @@ def test_each_tier_may_run_its_own_tensor_parallel_size(helm):
                     "--set", "decode.gpusPerReplica=2")
     message = "decode.gpusPerReplica (2) is below decode.tensorParallelSize (4)"
     assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+# -- tenants ----------------------------------------------------------------------------------
+
+def test_tenants_reach_the_app_in_its_own_names_and_exclude_the_single_key(helm):
+    args = rendered_app_args(helm, "tenants[0].name=team-a", "tenants[0].apiKeyEnv=TEAM_A_KEY",
+                             "tenants[0].requestsPerS=5", "tenants[0].tokensPerS=20000")
+    assert args["tenants"] == [{"name": "team-a", "api_key_env": "TEAM_A_KEY",
+                                "requests_per_s": 5, "tokens_per_s": 20000}]
+    assert AppConfig.from_args(args).tenants[0].requests_per_s == 5
+    both = run_helm(helm, "template", "pd", str(CHART), "--set", "apiKey.secretName=s",
+                    "--set", "tenants[0].name=a", "--set", "tenants[0].apiKeyEnv=A")
+    assert both.returncode != 0 and "apiKey.secretName or tenants, not both" in both.stderr
