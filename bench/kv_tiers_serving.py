@@ -62,11 +62,11 @@ BLOCK = 16
 # running at a time (a turn takes ~0.6 s: ~4 of the 48 on average). About 2 x 110 s of load.
 GPU = {"shape": "llama-3.1-8b", "conversations": 96, "turns": 6, "system": 2048, "user": 256,
        "output": 64, "think": "8s", "concurrency": 48, "ttft_slo": "100ms", "tpot_slo": "50ms",
-       "max_model_len": 4096}
+       "max_model_len": 4096, "timeout": 30.0}
 # The CPU smoke run (--dry-run): the same shape of load, small enough for 2 cores.
 CPU = {"shape": "tiny-llama", "conversations": 8, "turns": 3, "system": 32, "user": 24,
        "output": 8, "think": "300ms", "concurrency": 4, "ttft_slo": "5s", "tpot_slo": "1s",
-       "max_model_len": 512}
+       "max_model_len": 512, "timeout": 60.0}
 RECORD_COLUMNS = ("conversation", "turn", "start", "ok", "prompt_tokens", "cached_tokens", "ttft",
                   "tpot", "e2e")
 SHUTDOWN_S = 30.0       # stopping Serve and Ray
@@ -96,6 +96,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
                    help="more app args, e.g. kv_tiers.min_load_tokens=64")
     p.add_argument("--warmup-conversations", type=int, default=4)
+    p.add_argument("--timeout", type=float, help="seconds a request may take (default: 30 on "
+                   "the GPU, 60 in the dry run); one past it fails and ends its conversation")
     p.add_argument("--budget-s", type=float, default=470.0,
                    help="the whole call; each measured run is cut to fit")
     p.add_argument("--start-timeout", type=float, default=240.0)
@@ -108,7 +110,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     defaults = CPU if opts.dry_run else GPU
     for key, name in (("system", "system_prompt_tokens"), ("user", "user_tokens"),
                       ("output", "output_len"), ("think", "think_time"), *[(k, k) for k in (
-                          "conversations", "turns", "concurrency", "ttft_slo", "tpot_slo")]):
+                          "conversations", "turns", "concurrency", "ttft_slo", "tpot_slo",
+                          "timeout")]):
         if getattr(opts, name) is None:
             setattr(opts, name, defaults[key])
     opts.shape, opts.max_model_len = defaults["shape"], defaults["max_model_len"]
@@ -245,13 +248,14 @@ def measure(label: str, url: str, opts: argparse.Namespace, seconds: float,
     began = time.monotonic()
     common = ["bench", "--multi-turn", "--base-url", url, "--quiet",
               "--user-tokens", str(opts.user_tokens), "--output-len", str(opts.output_len),
-              "--ttft-slo", opts.ttft_slo, "--tpot-slo", opts.tpot_slo, "--timeout", "120"]
+              "--ttft-slo", opts.ttft_slo, "--tpot-slo", opts.tpot_slo]
     if opts.warmup_conversations:
-        # Kernels compile and connections open on the first requests. Another seed and a
-        # system prompt of another length: nothing the measured run sends is cached by it.
+        # Kernels compile and connections open on the first requests (hence their long
+        # timeout). Another seed and a system prompt of another length: nothing the measured
+        # run sends is cached by it.
         pd_cluster([*common, "--conversations", str(opts.warmup_conversations), "--turns", "2",
                     "--think-time", "0", "--concurrency", str(opts.warmup_conversations),
-                    "--seed", str(opts.seed + 7919),
+                    "--seed", str(opts.seed + 7919), "--timeout", "120",
                     "--system-prompt-tokens", str(opts.system_prompt_tokens // 2 + 1)])
     seconds -= time.monotonic() - began
     if seconds < 10:
@@ -264,6 +268,7 @@ def measure(label: str, url: str, opts: argparse.Namespace, seconds: float,
                          "--conversations", str(opts.conversations), "--turns", str(opts.turns),
                          "--think-time", opts.think_time, "--concurrency", str(opts.concurrency),
                          "--seed", str(opts.seed), "--max-duration", f"{0.8 * seconds:.0f}",
+                         "--timeout", f"{opts.timeout:g}",
                          "-o", str(path)])
         if not path.exists():
             raise RuntimeError(f"pd-cluster bench --multi-turn failed (exit {rc})")
@@ -368,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
                 result["runs"][label] = {"start_s": start_s, "served_with": group, **row}
                 result["comparison"] = kv_tiers.compare(result["runs"], result["pinned_copy"])
                 out.write_text(json.dumps(header, indent=1) + "\n")   # each run kept as it ends
+                if row.get("completed", 0) < row.get("requests", 0):
+                    print(f"kv_tiers_serving: the tiers-{label} run: {row['completed']} of "
+                          f"{row['requests']} requests completed ({row['errors']})",
+                          file=sys.stderr)
                 state = row["tier_stats"].get("state")
                 if label == "on" and state != "on" and "error" not in row:
                     print(f"kv_tiers_serving: the tiers-on engine's tiers are {state!r}, not "
