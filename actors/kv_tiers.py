@@ -91,6 +91,7 @@ class TierClient:
         self.stats = {"host_hits": 0, "disk_hits": 0, "loads": 0, "load_s": 0.0,
                       "recomputed": 0, "offloaded": 0, "errors": 0}
         self.host_stats: dict = {}         # the node's host tier's, as last fetched
+        self._read_copy_s = 0.0            # how long the last read's copy took
 
     async def start(self) -> None:
         shards = self.loop.engine.kv_shards()
@@ -159,9 +160,10 @@ class TierClient:
                 self.stats["recomputed"] += max(both - first, 0)
                 return local
             began = time.monotonic()
-            promoted = 0
+            promoted, promote_s = 0, 0.0
             if target > max(host, first):
                 host, promoted = await self._ask(self.pool.promote.remote(keys[:target]))
+                promote_s = time.monotonic() - began
                 target = min(target, host)
             read = await self._read(prompt_ids, keys, first, target) if target > first else []
         except Exception as e:  # noqa: BLE001 - a tier that fails costs the reuse only
@@ -176,9 +178,12 @@ class TierClient:
         self.stats["disk_hits"] += from_disk
         self.stats["loads"] += 1 if read else 0
         self.stats["load_s"] += seconds
-        if read:
-            self.cost.loaded(Tier.DISK if from_disk else Tier.HOST,
-                             len(read) * self.block_bytes, seconds)
+        if read:   # each copy's bandwidth, and what the load took beyond the copies
+            copy_s = self._read_copy_s
+            self.cost.loaded(Tier.HOST, len(read) * self.block_bytes, copy_s)
+            if promoted:
+                self.cost.loaded(Tier.DISK, promoted * self.block_bytes, promote_s)
+            self.cost.overhead(seconds - copy_s - promote_s)
         return local + read
 
     def _worth(self, first: int, host: int, both: int) -> int:
@@ -192,7 +197,7 @@ class TierClient:
             in_host = max(0, min(host, end) - first)
             on_disk = end - first - in_host
             saving = self.cost.saving((end - first) * self.block_size,
-                                      {Tier.HOST: in_host * self.block_bytes,
+                                      {Tier.HOST: (in_host + on_disk) * self.block_bytes,
                                        Tier.DISK: on_disk * self.block_bytes})
             if saving > best_saving:
                 best, best_saving = end, saving
@@ -307,7 +312,10 @@ class TierClient:
                 local = [block_ids[i] for i in grant.positions]
                 src, dst = (self.kv, self.segment.kv) if write else (self.segment.kv, self.kv)
                 src_ids, dst_ids = (local, grant.block_ids) if write else (grant.block_ids, local)
+                copying = time.monotonic()
                 await asyncio.to_thread(copy_blocks, src, dst, src_ids, dst_ids)
+                if not write:   # the cost rule's host bandwidth (the last read's)
+                    self._read_copy_s = time.monotonic() - copying
             ok = True
         finally:
             done = await self._ask(self.pool.end_local.remote(grant.transfer_id, ok))

@@ -5,12 +5,17 @@ core: no Ray here; the tiers themselves are actors/kv_tier*.py.
     LoadCost        whether loading a cached prefix from a tier beats computing it again:
 
         load  iff  tokens >= min_load_tokens
-              and  bytes / bandwidth(tier)  <  tokens / prefill rate
+              and  overhead + host bytes / host bandwidth + disk bytes / disk bandwidth
+                     <  tokens / prefill rate
 
-    Each tier's bandwidth starts at its configured guess and then follows the loads measured
-    (an exponential average of bytes / seconds); the prefill rate is the configured one, or
-    else follows the engine's own prefill steps (tokens computed / step seconds). Short
-    prefixes lose: a load's round trips cost more than the few tokens' compute.
+    (a disk block counts in both: read from disk into host memory, then copied from there).
+    Each tier's bandwidth starts at its configured guess and then follows the copies measured
+    (an exponential average of bytes / seconds of the copy alone: host memory → the engine's
+    cache; disk → host memory), and the overhead (round trips to the host tier, the engine
+    thread's bookkeeping) starts at LOAD_OVERHEAD_S and follows what a load took beyond its
+    copies; the prefill rate is the configured one, or else follows the engine's own prefill
+    steps (tokens computed / step seconds). Short prefixes lose: the overhead costs more
+    than the few tokens' compute.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ class LoadCost:
         self.settings = settings
         self.gbps = {Tier.HOST: settings.host_gbps, Tier.DISK: settings.disk_gbps}
         self.prefill_tps = settings.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
+        self.overhead_s = LOAD_OVERHEAD_S
         self._measured_prefill = False
 
     def saving(self, tokens: int, nbytes: Mapping[Tier, int]) -> float:
@@ -77,13 +83,18 @@ class LoadCost:
         instead of computing them; <= 0: recompute (so too below min_load_tokens)."""
         if tokens <= 0 or tokens < self.settings.min_load_tokens:
             return 0.0
-        load_s = LOAD_OVERHEAD_S + sum(n / (self.gbps[t] * 1e9) for t, n in nbytes.items())
+        load_s = self.overhead_s + sum(n / (self.gbps[t] * 1e9) for t, n in nbytes.items())
         return tokens / self.prefill_tps - load_s
 
     def loaded(self, tier: Tier, nbytes: int, seconds: float) -> None:
-        """A load of `nbytes` from `tier` took `seconds` (overhead included)."""
+        """A copy of `nbytes` out of `tier` took `seconds` (the copy alone)."""
         if nbytes > 0 and seconds > 0:
             self.gbps[tier] += EWMA_WEIGHT * (nbytes / seconds / 1e9 - self.gbps[tier])
+
+    def overhead(self, seconds: float) -> None:
+        """A load took `seconds` beyond its copies."""
+        if seconds >= 0:
+            self.overhead_s += EWMA_WEIGHT * (seconds - self.overhead_s)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """The engine computed `tokens` prompt tokens in `seconds` (one step); ignored when

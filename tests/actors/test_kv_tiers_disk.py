@@ -106,6 +106,12 @@ def test_the_cost_rule_recomputes_short_prefixes_and_follows_measurements():
     for _ in range(40):
         cost.loaded(Tier.DISK, 10**6, 1.0)
     assert cost.saving(1024, {Tier.DISK: 64 * block}) <= 0
+    # Loads measured to take 0.2 s beyond their copies: 1024 tokens (0.1 s) are recomputed.
+    slow = LoadCost(TierSettings(prefill_tokens_per_s=10_000))
+    assert slow.saving(1024, {Tier.HOST: block}) > 0
+    for _ in range(40):
+        slow.overhead(0.2)
+    assert slow.saving(1024, {Tier.HOST: block}) <= 0
     # min_load_tokens: shorter prefixes are recomputed whatever the rates.
     assert LoadCost(TierSettings(min_load_tokens=2048)).saving(1024, {Tier.HOST: 1}) <= 0
     # Unconfigured, the prefill rate follows the engine's steps.
