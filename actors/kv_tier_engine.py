@@ -1,7 +1,7 @@
 """What an engine actor (ColocatedActor, EngineActor) adds for the KV tiers (docs/kv_tiers.md):
-a TierClient (actors/kv_tiers.py) when kv_tiers is on, started at the actor's first request,
-the loader's references released once the request holds its blocks, and the tier counters in
-the actor's load report.
+a TierClient (actors/kv_tiers.py) when kv_tiers is on, started at the actor's first load
+report or request, whichever comes first; the loader's references released once the request
+holds its blocks; and the tier counters in the actor's load report.
 
 Lifecycle, per request: `_tier_reuse(prompt)` (the prefix loaded where worth it: blocks held)
 → the request is added (P: prefill; D: reserve; colocated: submit) → `_tier_release(held)`
@@ -43,8 +43,7 @@ class TieredEngine:
         tiers. Release with `_tier_release` once the request holds its blocks."""
         if self.tiers is None:
             return []
-        if self._tiers_started is None:
-            self._tiers_started = asyncio.ensure_future(self.tiers.start())
+        self._start_tiers()
         try:
             await asyncio.shield(self._tiers_started)
         except Exception as e:  # noqa: BLE001 - off, not failed
@@ -70,10 +69,18 @@ class TieredEngine:
                 "host_gbps": t.cost.gbps[Tier.HOST], "disk_gbps": t.cost.gbps[Tier.DISK],
                 "host_tier": dict(t.host_stats)}
 
+    def _start_tiers(self) -> None:
+        if self.tiers is not None and self._tiers_started is None:
+            self._tiers_started = asyncio.ensure_future(self.tiers.start())
+
     def _with_tiers(self, load: ReplicaLoad) -> ReplicaLoad:
-        """An engine's load report with its tier report (for the routers' metrics)."""
-        return load if self.tiers is None else dataclasses.replace(
-            load, kv_tiers=self._tier_report())
+        """An engine's load report with its tier report (for the routers' metrics). The
+        first report starts the tiers: the controller asks for one before any request
+        comes, so the host tier is up (its memory reserved) before the first prompt."""
+        if self.tiers is None:
+            return load
+        self._start_tiers()
+        return dataclasses.replace(load, kv_tiers=self._tier_report())
 
     async def flush_tiers(self) -> int:
         """Offload what the engine has freed now, not at the next tick (tests, drains);
