@@ -38,7 +38,7 @@ class ColocatedActor(StreamingEngine, TieredEngine):
                        sub: str) -> None:
         """StreamingEngine.generate, the prompt's prefix first loaded from the KV tiers
         where that beats computing it (held until the engine has the request)."""
-        kept = await self._tier_reuse(prompt_ids)
+        kept = await self._tier_reuse(prompt_ids, params.cache_salt)
         if not kept:
             return await StreamingEngine.generate(self, request_id, prompt_ids, params, sub)
         self.subscribers.renew(sub)

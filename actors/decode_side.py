@@ -141,7 +141,8 @@ class DecodeSide:
         (the caller has P's). First the receiver's prefetch (pool: the prompt's prefix blocks
         a KV pool holds); returns once the request is queued."""
         host = self.host
-        release = (await self.receiver.prefetch(prompt_ids) if self.receiver is not None
+        release = (await self.receiver.prefetch(prompt_ids, params.cache_salt)
+                   if self.receiver is not None
                    else (lambda: None))
         try:
             host.subscribers.renew(sub)

@@ -164,7 +164,7 @@ class EngineActor(StreamingEngine, TieredEngine):
         """See PrefillSide.prefill (the prompt's prefix first loaded from the KV tiers where
         that beats computing it, held until the prefill is done)."""
         side = self._as(Role.PREFILL)
-        kept = await self._tier_reuse(prompt_ids)
+        kept = await self._tier_reuse(prompt_ids, params.cache_salt)
         try:
             return await side.prefill(request_id, prompt_ids, params, destination, sub)
         finally:
@@ -180,7 +180,7 @@ class EngineActor(StreamingEngine, TieredEngine):
         """See DecodeSide.reserve (the prompt's prefix first loaded from the KV tiers where
         that beats computing it: P then pushes only the rest)."""
         side = self._as(Role.DECODE)
-        kept = await self._tier_reuse(prompt_ids)
+        kept = await self._tier_reuse(prompt_ids, params.cache_salt)
         try:
             return await side.reserve(request_id, prompt_ids, params, sub)
         finally:
@@ -200,7 +200,7 @@ class EngineActor(StreamingEngine, TieredEngine):
         """D prefills a prompt itself (conditional disaggregation, the fallbacks): see
         DecodeSide.generate."""
         side = self._as(Role.DECODE)
-        kept = await self._tier_reuse(prompt_ids)
+        kept = await self._tier_reuse(prompt_ids, params.cache_salt)
         try:
             await side.generate(request_id, prompt_ids, params, sub, first_sent)
         finally:

@@ -122,9 +122,10 @@ class KVSender(ABC):
 
     @abstractmethod
     async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
-                   prefill: Prefill) -> Handover:
+                   prefill: Prefill, salt: str | None = None) -> Handover:
         """Run `prefill` (its KV blocks stay held) and hand the prompt's KV over;
-        `destination`: what the router's KVHandoff said of where it goes."""
+        `destination`: what the router's KVHandoff said of where it goes; `salt`: the
+        request's cache salt (block hashes: pd_cluster/block_allocator.py salt_root)."""
 
     def abort(self, request_id: str) -> None:
         """Stop handing over the request's KV (it was aborted)."""
@@ -143,10 +144,12 @@ class KVReceiver(ABC):
     def __init__(self, end: KVEndpoint) -> None:
         self.end = end
 
-    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
+    async def prefetch(self, prompt_ids: list[int],
+                       salt: str | None = None) -> Callable[[], None]:
         """D is about to prefill a prompt itself: first make what it can of the prompt's KV a
-        prefix-cache hit there (pool: the blocks a KV pool holds). Returns what lets those
-        blocks go, to call once the request is queued in the engine."""
+        prefix-cache hit there (pool: the blocks a KV pool holds under the same cache salt).
+        Returns what lets those blocks go, to call once the request is queued in the
+        engine."""
         return lambda: None
 
     @abstractmethod
@@ -212,7 +215,7 @@ class PushSender(KVSender):
         end.loop.listener = self.pusher
 
     async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
-                   prefill: Prefill) -> Handover:
+                   prefill: Prefill, salt: str | None = None) -> Handover:
         end = self.end
         self.pusher.add(request_id)
         reserved = asyncio.ensure_future(self._reserved(request_id, destination[0]))

@@ -38,7 +38,7 @@ class TieredEngine:
         self.tiers = None if kv_tiers is None else TierClient(self.loop, kv_tiers, timeout_s)
         self._tiers_started: asyncio.Future | None = None
 
-    async def _tier_reuse(self, prompt_ids: list[int]) -> list[Block]:
+    async def _tier_reuse(self, prompt_ids: list[int], salt: str | None) -> list[Block]:
         """The prompt's prefix held (loaded from the tiers where worth it); [] with no
         tiers. Release with `_tier_release` once the request holds its blocks."""
         if self.tiers is None:
@@ -49,7 +49,7 @@ class TieredEngine:
         except Exception as e:  # noqa: BLE001 - off, not failed
             log.warning("KV tiers off for this engine: %s", e)
             self.tiers.state = TierState.OFF
-        return await self.tiers.reuse(prompt_ids)
+        return await self.tiers.reuse(prompt_ids, salt)
 
     def _tier_release(self, kept: list[Block]) -> None:
         """Drop `_tier_reuse`'s references (queued on the engine thread, not waited for)."""

@@ -140,18 +140,19 @@ class TierClient:
         self.state = TierState.CLOSED
 
     # -- reuse ------------------------------------------------------------------------------
-    async def reuse(self, prompt_ids: list[int]) -> list[Block]:
+    async def reuse(self, prompt_ids: list[int], salt: str | None = None) -> list[Block]:
         """Hold the prompt's cached prefix, loading what the tiers hold past it when that
         beats computing it (module docstring). Returns the blocks it holds a reference on,
         for the caller to release (`KVCacheManager.release_blocks`, engine thread)."""
         if self.state is not TierState.ON:
             return []
-        local = await self.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids))
+        local = await self.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids, salt))
         first = len(local)
         limit = (len(prompt_ids) - 1) // self.block_size      # never the last token's block
         if limit <= first:
             return local
-        keys = prefix_block_hashes(prompt_ids[:limit * self.block_size], self.block_size)
+        keys = prefix_block_hashes(prompt_ids[:limit * self.block_size], self.block_size,
+                                   salt)
         try:
             host, both = await self._ask(self.pool.tier_lookup.remote(keys))
             in_host = max(host, first)      # keys past this one are on disk
@@ -165,7 +166,8 @@ class TierClient:
                 host, promoted = await self._ask(self.pool.promote.remote(keys[:target]))
                 promote_s = time.monotonic() - began
                 target = min(target, host)
-            read = await self._read(prompt_ids, keys, first, target) if target > first else []
+            read = (await self._read(prompt_ids, keys, first, target, salt) if target > first
+                    else [])
         except Exception as e:  # noqa: BLE001 - a tier that fails costs the reuse only
             self.stats["errors"] += 1
             log.warning("KV tiers: loading a prefix failed (%s); computing it", e)
@@ -203,10 +205,10 @@ class TierClient:
                 best, best_saving = end, saving
         return best
 
-    async def _read(self, prompt_ids: list[int], keys: list[int], first: int,
-                    end: int) -> list[Block]:
+    async def _read(self, prompt_ids: list[int], keys: list[int], first: int, end: int,
+                    salt: str | None) -> list[Block]:
         """Copy the host tier's blocks of keys[first:end] into fresh engine blocks, indexed
-        as cached; the ones read (a reference each)."""
+        as cached (under the prompt's cache salt); the ones read (a reference each)."""
         fresh = await self.loop.call(lambda e: e.kv.blocks_for_import(end - first))
         got = 0
         try:
@@ -217,7 +219,7 @@ class TierClient:
             read, unused = fresh[:got], fresh[got:]
 
             def adopt(engine: LLMEngine) -> None:
-                engine.kv.cache_imported(prompt_ids, first, read)
+                engine.kv.cache_imported(prompt_ids, first, read, salt)
                 engine.kv.release_blocks(unused)
             if fresh:
                 await self.loop.call(adopt)

@@ -93,11 +93,11 @@ class PoolSender(KVSender):
         self.pools = pools
 
     async def send(self, request_id: str, prompt_ids: list[int], destination: list | None,
-                   prefill: Prefill) -> Handover:
+                   prefill: Prefill, salt: str | None = None) -> Handover:
         end, pools = self.end, self.pools
-        keys = prompt_keys(request_id, prompt_ids, end.layout.block_size)
+        keys = prompt_keys(request_id, prompt_ids, end.layout.block_size, salt)
         reuse = asyncio.ensure_future(reuse_prefix(end, pools.by_preference(), prompt_ids,
-                                                   keys))
+                                                   keys, salt))
         try:
             kept = await asyncio.shield(reuse)
         except asyncio.CancelledError:   # the blocks it holds must still be let go of
@@ -132,10 +132,11 @@ class PoolReceiver(KVReceiver):
         super().__init__(end)
         self.pools = pools
 
-    async def prefetch(self, prompt_ids: list[int]) -> Callable[[], None]:
+    async def prefetch(self, prompt_ids: list[int],
+                       salt: str | None = None) -> Callable[[], None]:
         end = self.end
-        keys = prompt_keys("", prompt_ids, end.layout.block_size)   # full blocks are read
-        kept = await reuse_prefix(end, self.pools.by_preference(), prompt_ids, keys)
+        keys = prompt_keys("", prompt_ids, end.layout.block_size, salt)   # full blocks read
+        kept = await reuse_prefix(end, self.pools.by_preference(), prompt_ids, keys, salt)
         return lambda: _release_soon(end, kept)
 
     async def receive(self, request_id: str, reservation: KVDestination,

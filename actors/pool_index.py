@@ -27,10 +27,12 @@ class RequestKey(NamedTuple):
     block: int
 
 
-def prompt_keys(request_id: str, prompt_ids: Sequence[int], block_size: int) -> list[Key]:
-    """One key per block of a prompt: the chained prefix hash of each full block (the engines'
-    own, so P, D and the pool agree), then a RequestKey for a partial last block."""
-    keys: list[Key] = list(prefix_block_hashes(prompt_ids, block_size))
+def prompt_keys(request_id: str, prompt_ids: Sequence[int], block_size: int,
+                salt: str | None = None) -> list[Key]:
+    """One key per block of a prompt: the chained prefix hash of each full block under the
+    request's cache salt (the engines' own, so P, D and the pool agree), then a RequestKey
+    for a partial last block."""
+    keys: list[Key] = list(prefix_block_hashes(prompt_ids, block_size, salt))
     if len(prompt_ids) % block_size:
         keys.append(RequestKey(request_id, len(keys)))
     return keys

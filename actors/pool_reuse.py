@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 async def reuse_prefix(end: KVEndpoint, clients: Sequence[PoolClient], prompt_ids: list[int],
-                       keys: Sequence[Key]) -> list[Block]:
+                       keys: Sequence[Key], salt: str | None = None) -> list[Block]:
     """Make a pool's blocks of the prompt's prefix a prefix-cache hit of `end`'s engine (see
     the module docstring): of `clients`' pools (one per node; the home pool first), the one
     holding the longest run, the first on a tie. Returns the blocks it holds a reference on,
@@ -44,7 +44,7 @@ async def reuse_prefix(end: KVEndpoint, clients: Sequence[PoolClient], prompt_id
     live = [c for c in clients if not c.dead]
     # Our own hits and the pools' at once: one round trip on the way to the prefill.
     local, *found = await asyncio.gather(
-        end.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids)),
+        end.loop.call(lambda e: e.kv.hold_cached_prefix(prompt_ids, salt)),
         *[c.lookup(keys[:limit]) for c in live], return_exceptions=True)
     if isinstance(local, BaseException):
         raise local
@@ -65,7 +65,7 @@ async def reuse_prefix(end: KVEndpoint, clients: Sequence[PoolClient], prompt_id
     read, unused = fresh[:got], fresh[got:]
 
     def adopt(engine) -> None:
-        engine.kv.cache_imported(prompt_ids, first, read)
+        engine.kv.cache_imported(prompt_ids, first, read, salt)
         engine.kv.release_blocks(unused)
     if fresh:
         await end.loop.call(adopt)

@@ -86,7 +86,7 @@ class PrefillSide:
         try:
             sent = await opened(self.sender).send(
                 request_id, prompt_ids, destination,
-                lambda: self._first_output(request_id, prompt_ids, params))
+                lambda: self._first_output(request_id, prompt_ids, params), params.cache_salt)
         finally:
             host.subscribers.done(request_id)
             self._release(request_id)

@@ -38,12 +38,26 @@ def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of every full block of `token_ids`, each chained on the previous one."""
+def salt_root(salt: str | None) -> int | None:
+    """The parent of a prompt's first block: None unsalted, else a hash of the cache salt
+    (SamplingParams.cache_salt), so prompts of different salts never share a block hash:
+    not in a prefix cache, the KV pool, the KV tiers or a router's view of them."""
+    if salt is None:
+        return None
+    h = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8,
+                        person=b"pd-cache-salt")
+    return int.from_bytes(h.digest(), "little") | 1      # never 0, the unsalted parent
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int,
+                        salt: str | None = None) -> list[int]:
+    """Hashes of every full block of `token_ids`, each chained on the previous one (the first
+    on the salt's root)."""
     hashes: list[int] = []
+    parent = salt_root(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None,
-                                 token_ids[start:start + block_size]))
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
     return hashes
 
 

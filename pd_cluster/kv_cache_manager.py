@@ -6,7 +6,8 @@ written blocks of a request that ends before its KV landed (pd_cluster/kv_cache_
 """
 from __future__ import annotations
 
-from pd_cluster.block_allocator import Block, BlockAllocator, hash_block, prefix_block_hashes
+from pd_cluster.block_allocator import (Block, BlockAllocator, hash_block, prefix_block_hashes,
+                                       salt_root)
 from pd_cluster.kv_cache_quarantine import KVQuarantine
 from pd_cluster.request import Request
 
@@ -59,13 +60,13 @@ class KVCacheManager:
 
         The hit never covers the last token: that token must be computed to get logits.
         """
-        hits = self._cached_prefix(request.all_token_ids)
+        hits = self._cached_prefix(request.all_token_ids, request.params.cache_salt)
         return hits, len(hits) * self.block_size
 
-    def _cached_prefix(self, tokens) -> list[Block]:
+    def _cached_prefix(self, tokens, salt: str | None) -> list[Block]:
         bs = self.block_size
         hits: list[Block] = []
-        parent = None
+        parent = salt_root(salt)
         for start in range(0, (len(tokens) - 1) // bs * bs, bs):
             chunk = tokens[start:start + bs]
             parent = hash_block(parent, chunk)
@@ -80,10 +81,11 @@ class KVCacheManager:
     # holds into blocks of its own, indexes them as cached, and keeps a reference on them
     # until the prompt is prefilled: the scheduler then finds them as a prefix-cache hit, so
     # chunked prefill starts after them and they count in num_cached_tokens.
-    def hold_cached_prefix(self, token_ids) -> list[Block]:
-        """Take a reference on the full blocks of `token_ids` cached here (never the last
-        token's), so no eviction takes them before the prompt is scheduled."""
-        hits = self._cached_prefix(token_ids)
+    def hold_cached_prefix(self, token_ids, salt: str | None = None) -> list[Block]:
+        """Take a reference on the full blocks of `token_ids` (under cache salt `salt`)
+        cached here (never the last token's), so no eviction takes them before the prompt is
+        scheduled."""
+        hits = self._cached_prefix(token_ids, salt)
         self.allocator.touch(hits)
         return hits
 
@@ -94,13 +96,15 @@ class KVCacheManager:
             return []
         return self.allocator.allocate(count)
 
-    def cache_imported(self, token_ids, first: int, blocks: list[Block]) -> None:
+    def cache_imported(self, token_ids, first: int, blocks: list[Block],
+                       salt: str | None = None) -> None:
         """`blocks` now hold the full blocks first, first + 1, ... of `token_ids`: index them
-        under their chained hashes (the caller still holds them: release_blocks)."""
+        under their chained hashes, salted by `salt` (the caller still holds them:
+        release_blocks)."""
         if not blocks:
             return
         bs = self.block_size
-        hashes = prefix_block_hashes(token_ids[:(first + len(blocks)) * bs], bs)
+        hashes = prefix_block_hashes(token_ids[:(first + len(blocks)) * bs], bs, salt)
         for i, block in enumerate(blocks, start=first):
             self.allocator.cache(block, hashes[i], token_ids[i * bs:(i + 1) * bs])
 
@@ -143,7 +147,8 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id, [])
         for i in range(len(hashes), min(full, len(blocks))):
             chunk = request.token_slice(i * bs, (i + 1) * bs)
-            hashes.append(hash_block(hashes[-1] if hashes else None, chunk))
+            parent = hashes[-1] if hashes else salt_root(request.params.cache_salt)
+            hashes.append(hash_block(parent, chunk))
             self.allocator.cache(blocks[i], hashes[-1], chunk)
 
     def truncate(self, request: Request, num_tokens: int) -> None:

@@ -85,8 +85,9 @@ class RoutingPolicy(ABC):
                            Role.PREFILL: list(range(inputs.num_prefill))}
 
     @abstractmethod
-    def route(self, prompt_ids: Sequence[int]) -> Route:
-        """The replicas for a prompt; raises NoReplicaAvailable without a decode replica."""
+    def route(self, prompt_ids: Sequence[int], salt: str | None = None) -> Route:
+        """The replicas for a prompt (its blocks hashed under the request's cache salt);
+        raises NoReplicaAvailable without a decode replica."""
 
     def observe(self, loads: Sequence[ReplicaLoad]) -> None:
         """New load reports (the default policy ignores them)."""
@@ -124,7 +125,7 @@ class RoundRobinPolicy(RoutingPolicy):
         super().__init__(inputs)
         self._turns = {Role.DECODE: 0, Role.PREFILL: 0}
 
-    def route(self, prompt_ids: Sequence[int]) -> Route:
+    def route(self, prompt_ids: Sequence[int], salt: str | None = None) -> Route:
         decode_id = self._next(Role.DECODE, self._decode_ids())
         prefill_ids = self.available(Role.PREFILL)
         if not prefill_ids or len(prompt_ids) < self.inputs.conditional_disagg_threshold:
@@ -256,11 +257,11 @@ class KvAwarePolicy(RoutingPolicy):
         for key in keys:            # a replica new to us: poll its prefixes from now on
             self._replica(key)
 
-    def route(self, prompt_ids: Sequence[int]) -> Route:
+    def route(self, prompt_ids: Sequence[int], salt: str | None = None) -> Route:
         bs = self.inputs.block_size
         decode_ids = self._decode_ids()
         # The last prompt token is always computed (a hit never covers it), as in the engine.
-        hashes = prefix_block_hashes(prompt_ids[:-1], bs)
+        hashes = prefix_block_hashes(prompt_ids[:-1], bs, salt)
         num_blocks = -(-len(prompt_ids) // bs)
         decode_id, overlap = self._cheapest(Role.DECODE, decode_ids, hashes, num_blocks)
         self._assign((Role.DECODE, decode_id), hashes, num_blocks)

@@ -199,7 +199,7 @@ class OpenAIServing:
     async def _run(self, job: Job) -> AsyncIterator[RequestOutput]:
         trace = None if self.tracing is None else CURRENT.get()
         routing = time.monotonic()
-        route = self.policy.route(job.prompt_ids)
+        route = self.policy.route(job.prompt_ids, job.params.cache_salt)
         if trace is not None:
             trace.job(job.request_id).routed(routing, time.monotonic(), route.prefill_id,
                                              route.decode_id)

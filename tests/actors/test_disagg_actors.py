@@ -31,7 +31,7 @@ class FailingSend(PushSender):
     """P's part of a push whose writes fail once P has prefilled the prompt (as they do when
     D is unreachable): P aborts them and reports the failure."""
 
-    async def send(self, request_id, prompt_ids, destination, prefill):
+    async def send(self, request_id, prompt_ids, destination, prefill, salt=None):
         async def prefill_then_fail():
             await prefill()
             raise TransferError(f"{request_id}: the KV writes failed")

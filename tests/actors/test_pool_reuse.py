@@ -78,3 +78,17 @@ def test_a_decoder_prefilling_itself_reads_the_pools_prefix(pooled, tiny):
     assert out.outputs[0].token_ids == cold
     assert prefilled_tokens(load_of(pooled.decode[1])) - before == 3
     assert out.num_cached_tokens == 5 * BS
+
+
+def test_a_cache_salt_keeps_tenants_apart_in_prefix_caches_and_the_pool(pooled, tiny):
+    """Tenant a's prompt is in P0's cache and the pool; tenant b's same prompt on P1 hits
+    neither (cached_tokens 0), tenant a's on P1 reads a's blocks from the pool."""
+    prompt = random.Random(31).sample(range(3, 500), 4 * BS + 3)
+
+    def as_tenant(salt: str) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, cache_salt=salt)
+    runs = [asyncio.run(collect(pooled, f"salt{i}", prompt, as_tenant(salt), Route(0, p)))
+            for i, (salt, p) in enumerate([("a", 0), ("b", 1), ("a", 1)])]
+    assert [r.num_cached_tokens for r in runs[:2]] == [0, 0]
+    assert runs[2].num_cached_tokens == 4 * BS
+    assert len({tuple(r.outputs[0].token_ids) for r in runs}) == 1

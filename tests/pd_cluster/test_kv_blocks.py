@@ -39,6 +39,22 @@ def test_prefix_hit_reuses_blocks_but_never_covers_last_token():
     assert kv.num_free_blocks == 16
 
 
+def test_a_cache_salt_hits_only_prompts_of_the_same_salt():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+
+    def salted(rid, salt):
+        return Request(rid, list(range(12)), SamplingParams(cache_salt=salt))
+    assert _run_prefill(kv, salted("a", "tenant-a")) == 0
+    assert _run_prefill(kv, salted("b", "tenant-b")) == 0      # another tenant: no hit
+    assert _run_prefill(kv, salted("c", None)) == 0            # nor unsalted
+    assert _run_prefill(kv, salted("d", "tenant-a")) == 8      # its own tenant: the hit
+    # The pool's and the routers' keys are the same hashes, salted alike.
+    assert prefix_block_hashes(list(range(12)), 4, "tenant-a") != prefix_block_hashes(
+        list(range(12)), 4, "tenant-b")
+    assert prefix_block_hashes(list(range(12)), 4, None) == prefix_block_hashes(
+        list(range(12)), 4)
+
+
 def test_hash_hit_with_different_tokens_is_rejected():
     allocator = BlockAllocator(4)
     [block] = allocator.allocate(1)
