@@ -13,7 +13,7 @@ import ray
 
 from actors.engine_lease import EngineLease
 from actors.engine_loop import EngineLoop
-from actors.kv_tier_engine import ReleaseOnFirst, TieredEngine
+from actors.kv_tier_engine import TieredEngine
 from actors.messages import ReplicaLoad
 from actors.streaming import StreamingEngine
 from pd_cluster.config import EngineConfig
@@ -37,19 +37,12 @@ class ColocatedActor(StreamingEngine, TieredEngine):
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        sub: str) -> None:
         """StreamingEngine.generate, the prompt's prefix first loaded from the KV tiers
-        where that beats computing it (held until the engine has the request)."""
+        where that beats computing it (held until the request is queued)."""
         kept = await self._tier_reuse(prompt_ids, params.cache_salt)
-        if not kept:
-            return await StreamingEngine.generate(self, request_id, prompt_ids, params, sub)
-        self.subscribers.renew(sub)
-        # The references go with the request's first output: it holds the blocks by then.
-        out = ReleaseOnFirst(self.outbox.queue(sub, request_id),
-                             lambda: self._tier_release(kept))
         try:
-            self.loop.submit(request_id, prompt_ids, params, out)
-        except BaseException:
-            self._tier_release(kept)
-            raise
+            await StreamingEngine.generate(self, request_id, prompt_ids, params, sub)
+        finally:
+            self._tier_release(kept)    # queued after the request (kv_tier_engine.py: why)
 
     async def load(self, prefix_since: int | None = None) -> ReplicaLoad:
         """StreamingEngine.load, with the KV tiers' counters when they are on."""

@@ -164,11 +164,9 @@ class EngineActor(StreamingEngine, TieredEngine):
         """See PrefillSide.prefill (the prompt's prefix first loaded from the KV tiers where
         that beats computing it, held until the prefill is done)."""
         side = self._as(Role.PREFILL)
-        kept = await self._tier_reuse(prompt_ids, params.cache_salt)
-        try:
-            return await side.prefill(request_id, prompt_ids, params, destination, sub)
-        finally:
-            self._tier_release(kept)
+        # Released before the prefill is queued, not after it ran (kv_tier_engine.py: why).
+        self._tier_release(await self._tier_reuse(prompt_ids, params.cache_salt))
+        return await side.prefill(request_id, prompt_ids, params, destination, sub)
 
     async def timeline(self) -> list[tuple[str, int, float]]:
         """See PrefillSide.timeline."""
@@ -200,11 +198,9 @@ class EngineActor(StreamingEngine, TieredEngine):
         """D prefills a prompt itself (conditional disaggregation, the fallbacks): see
         DecodeSide.generate."""
         side = self._as(Role.DECODE)
-        kept = await self._tier_reuse(prompt_ids, params.cache_salt)
-        try:
-            await side.generate(request_id, prompt_ids, params, sub, first_sent)
-        finally:
-            self._tier_release(kept)
+        # Released before the request is queued (kv_tier_engine.py: why).
+        self._tier_release(await self._tier_reuse(prompt_ids, params.cache_salt))
+        await side.generate(request_id, prompt_ids, params, sub, first_sent)
 
     # -- changing roles ---------------------------------------------------------------------
     async def set_role(self, role: Role, replica_id: int) -> ReplicaLoad:

@@ -4,8 +4,13 @@ report or request, whichever comes first; the loader's references released once 
 holds its blocks; and the tier counters in the actor's load report.
 
 Lifecycle, per request: `_tier_reuse(prompt)` (the prefix loaded where worth it: blocks held)
-→ the request is added (P: prefill; D: reserve; colocated: submit) → `_tier_release(held)`
-once the request holds them (colocated: at its first output, `ReleaseOnFirst`).
+→ `_tier_release(held)` as the request is queued (colocated: right after its submit; P and
+D's own prefill: right before, the release queued on the engine thread ahead of the add;
+D's reservation: after it, which takes the blocks itself). The freed blocks stay cached at
+the tail of the allocator's LRU queue, where the request finds them when it is scheduled;
+only a cache churned through its whole free list before then evicts them, and the prefix is
+then computed. Holding them until the request ran instead (until its first output) let
+queued requests hold a full cache between them with none able to start: a deadlock.
 """
 from __future__ import annotations
 
@@ -93,18 +98,3 @@ class TieredEngine:
             if not self.loop.engine.kv.allocator.offloads:
                 break
         return self.tiers.stats["offloaded"]
-
-
-class ReleaseOnFirst:
-    """An engine loop's output queue (anything with put_nowait) that calls `release` at the
-    first item it takes: by the request's first output (or its error) the engine has
-    scheduled it, so it holds its prefix blocks itself and the loader's references can go."""
-
-    def __init__(self, queue: Any, release: Any) -> None:
-        self.queue, self._release = queue, release
-
-    def put_nowait(self, item: Any) -> None:
-        if self._release is not None:
-            release, self._release = self._release, None
-            release()
-        self.queue.put_nowait(item)
