@@ -5,12 +5,11 @@ Lifecycle (TierClient, one per engine actor, on its event loop):
     start()       finds or starts the node's HostTier, maps its shared segment (the engine's
                   KV cache must be one shard in this process, and the layouts must match;
                   else the tiers stay off for this engine, with a warning) and has the
-                  engine's allocator list the hashed blocks it frees; then OFF → ON and a
-                  background task runs:
-    offload       every OFFLOAD_EVERY_S, the freed hashed blocks not yet written down: a
-                  reference each (engine thread; only blocks still free and still holding
-                  their hash, so nothing the step uses; at most half the free blocks at
-                  once), a copy into the host tier's granted blocks (off the event loop),
+                  engine's allocator list the blocks it caches under a hash; then OFF → ON
+                  and a background task runs:
+    offload       every OFFLOAD_EVERY_S, the listed blocks not yet written down: a
+                  reference each (engine thread; only blocks still holding their hash, whose
+                  content is final; of free ones at most half the free blocks at once), a copy into the host tier's granted blocks (off the event loop),
                   the references dropped. A hash is written
                   once: the blocks this engine put are remembered (OFFLOADED_MEMORY of them)
                   and the host tier skips keys it holds
@@ -268,17 +267,21 @@ class TierClient:
         def take(engine: LLMEngine) -> list[Block]:
             allocator = engine.kv.allocator
             todo, allocator.offloads = allocator.offloads, []
-            # At most half the free blocks at once (the rest wait for the next round): a
-            # copy in flight holds its blocks, and a reservation or step meanwhile must
-            # still find room.
+            # Blocks in use are copied as they are (full and hashed: their content is final;
+            # the copy's stream waits for the step that wrote them). Of free ones, at most
+            # half the free blocks at once (the rest wait for the next round): a copy in
+            # flight holds its blocks, and a reservation or step meanwhile must find room.
             room = allocator.num_free // 2
             picked: dict[int, Block] = {}
-            for i, b in enumerate(todo):  # still free, still hashed, not written down yet
-                if len(picked) >= room:
-                    allocator.offloads[:0] = todo[i:]
-                    break
-                if b.ref_count == 0 and b.block_hash is not None and b.block_hash not in done:
-                    picked[b.block_id] = b
+            for i, b in enumerate(todo):  # still hashed, not written down yet
+                if b.block_hash is None or b.block_hash in done:
+                    continue
+                if b.ref_count == 0:
+                    if room == 0:
+                        allocator.offloads[:0] = todo[i:]
+                        break
+                    room -= 1
+                picked[b.block_id] = b
             blocks = list(picked.values())
             allocator.touch(blocks)     # out of the free queue until copied
             return blocks
@@ -315,7 +318,8 @@ class TierClient:
                 src, dst = (self.kv, self.segment.kv) if write else (self.segment.kv, self.kv)
                 src_ids, dst_ids = (local, grant.block_ids) if write else (grant.block_ids, local)
                 copying = time.monotonic()
-                await asyncio.to_thread(copy_blocks, src, dst, src_ids, dst_ids)
+                await asyncio.to_thread(copy_blocks, src, dst, src_ids, dst_ids,
+                                        self.segment.pinned)
                 if not write:   # the cost rule's host bandwidth (the last read's)
                     self._read_copy_s = time.monotonic() - copying
             ok = True

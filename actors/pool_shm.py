@@ -16,6 +16,7 @@ at commit 2d4c556).
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -25,6 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from pd_cluster.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
+# False once a kernel copy failed in this process (a driver without the host mapping): DMA.
+_kernel_copies = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +45,9 @@ def _pin(t: torch.Tensor) -> bool:
     """Page-lock `t`'s memory for the GPU's DMA engines (a no-op without CUDA)."""
     if not torch.cuda.is_available():
         return False
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    # Portable and mapped (1 | 2): every GPU may DMA it, and kernels address it directly
+    # (kernels/kv_block_copy.py).
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3)
     return int(err) == 0
 
 
@@ -110,23 +117,34 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int],
-                dst_ids: Sequence[int]) -> None:
+                dst_ids: Sequence[int], host_mapped: bool = False) -> None:
     """dst's blocks dst_ids[i] = src's blocks src_ids[i], every layer's K and V; returns once
     they are there. Both are [layers, 2, blocks, ...]; one is on the GPU or both on the CPU.
-    Each copy is one contiguous run of one layer's K or V, so a GPU one is a single DMA."""
+    `host_mapped`: the host one is registered with CUDA (SharedSegment.pinned), so one kernel
+    on the GPU moves every block (kernels/kv_block_copy.py); else each copy is one
+    contiguous run of one layer's K or V, a single DMA on a GPU."""
+    global _kernel_copies
     if not src_ids:
         return
     s2, d2 = src.flatten(0, 1), dst.flatten(0, 1)
-    runs = block_runs(src_ids, dst_ids)
     gpu = src.device if src.device.type == "cuda" else dst.device
     stream = torch.cuda.Stream(gpu) if gpu.type == "cuda" else None
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(gpu))
-        with torch.cuda.stream(stream):
-            _copy_runs(s2, d2, runs, non_blocking=True)
-        stream.synchronize()
-    else:
-        _copy_runs(s2, d2, runs, non_blocking=False)
+    if stream is None:
+        _copy_runs(s2, d2, block_runs(src_ids, dst_ids), non_blocking=False)
+        return
+    stream.wait_stream(torch.cuda.current_stream(gpu))
+    with torch.cuda.stream(stream):
+        if host_mapped and _kernel_copies:
+            try:
+                from kernels.kv_block_copy import copy_blocks as copy_by_kernel
+                copy_by_kernel(src, dst, src_ids, dst_ids)
+                stream.synchronize()
+                return
+            except Exception as e:  # noqa: BLE001 - the DMA copies below still work
+                _kernel_copies = False
+                log.warning("KV block copies by kernel failed (%r); copying by DMA", e)
+        _copy_runs(s2, d2, block_runs(src_ids, dst_ids), non_blocking=True)
+    stream.synchronize()
 
 
 def _copy_runs(s2: torch.Tensor, d2: torch.Tensor, runs: list[tuple[int, int, int]],

@@ -8,10 +8,10 @@ A block whose ref count drops to 0 goes to the tail of the free queue but stays 
 index, so a later request with the same prefix can revive it. Only when the queue hands it out
 for new content is its hash dropped ("lazy eviction").
 
-With the KV tiers on (`collect_offloads`), a hashed block whose ref count drops to 0 is also
-listed in `offloads`: the engine's actor copies it to its node's host tier (actors/kv_tiers.py)
-while it sits in the free queue, taking a reference meanwhile, so it is copied before any
-eviction could reuse it and the step never waits for the copy (docs/kv_tiers.md).
+With the KV tiers on (`collect_offloads`), a block is also listed in `offloads` as it is
+cached under its hash (write-through): the engine's actor copies it to its node's host tier
+(actors/kv_tiers.py) within milliseconds, taking a reference meanwhile, so it is down before
+any eviction could reuse it and the step never waits for the copy (docs/kv_tiers.md).
 
 Routers learn what a cache holds from its events (like vLLM's KV cache events): once an
 engine's owner calls `record_events`, every hash registered in the index is recorded as
@@ -207,8 +207,10 @@ class BlockAllocator:
         self.offloads: list[Block] | None = None    # see collect_offloads
 
     def collect_offloads(self) -> None:
-        """From now on list in `offloads` each hashed block whose last reference goes (the
-        KV tiers' candidates to copy down; their owner empties the list)."""
+        """From now on list in `offloads` each block as it is cached under its hash (the KV
+        tiers' candidates to copy down; their owner empties the list). Listed when cached,
+        not when freed: a busy engine reallocates a freed block within milliseconds, before
+        a copy could take it, and the prefix behind it would be lost to every tier."""
         if self.offloads is None:
             self.offloads = []
 
@@ -290,8 +292,6 @@ class BlockAllocator:
             assert block.ref_count >= 0, f"block {block.block_id} released twice"
             if block.ref_count == 0:
                 self._free[block.block_id] = None
-                if self.offloads is not None and block.block_hash is not None:
-                    self.offloads.append(block)
 
     def cache(self, block: Block, block_hash: int, token_ids: Sequence[int]) -> None:
         """Register a full block under its hash (the first block to claim a hash keeps it)."""
@@ -302,6 +302,8 @@ class BlockAllocator:
             self._by_hash[block_hash] = block
             if self.events is not None:
                 self.events.stored(block_hash)
+            if self.offloads is not None:
+                self.offloads.append(block)
 
     def reset_prefix_cache(self) -> None:
         for block in self._by_hash.values():
