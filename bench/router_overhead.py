@@ -54,7 +54,7 @@ import yaml
 from ray import serve
 
 from bench.harness.serving_runs import get_text, set_args
-from bench.serving_bench import APP, borrow_client, free_port, ingress_env
+from bench.serving_bench import APP, borrow_client, free_port, ingress_env, replica_serving
 from bench.tracing_cost import off_path_us
 from pd_cluster.request import FinishReason
 from pd_cluster.sampling_params import SamplingParams
@@ -196,29 +196,10 @@ class DirectPath:
         return {"ping": time.perf_counter() - start}
 
 
-def _replica_serving(replica: Any) -> Any:
-    """Runs in the router replica: its OpenAIServing, found by a walk through attributes (as
-    bench.serving_bench's _replica_client finds its client)."""
-    from router.serving import OpenAIServing
-    frontier, seen = [replica], set()
-    for _ in range(8):
-        for obj in frontier:
-            if isinstance(obj, OpenAIServing):
-                return obj
-        nxt = []
-        for obj in frontier:
-            for value in getattr(obj, "__dict__", {}).values():
-                if id(value) not in seen and hasattr(value, "__dict__"):
-                    seen.add(id(value))
-                    nxt.append(value)
-        frontier = nxt
-    raise RuntimeError("no OpenAIServing in the router replica")
-
-
 def _set_tracing(replica: Any, on: bool) -> bool:
     """Runs in the router replica: its tracer on (the one the config made) or off (None, as
     with tracing disabled); True if it has one to turn on."""
-    serving = _replica_serving(replica)
+    serving = replica_serving(replica)
     if not hasattr(serving, "bench_tracer"):
         serving.bench_tracer = serving.tracing
     serving.tracing = serving.bench_tracer if on else None

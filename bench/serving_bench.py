@@ -127,16 +127,16 @@ def _wait_gpus_free(timeout: float = 60.0) -> None:
 
 # -- the engine actors' stamps, through the router replica's client -------------------------------
 
-def _replica_client(replica: Any) -> Any:
-    """Runs in the router replica: the EngineClient its OpenAIServing calls, found by a walk
-    through attributes from the replica actor (no Serve internals named; gc.get_objects would
-    miss it, Serve freezes the startup objects); it comes back as a copy with the same handles."""
+def replica_serving(replica: Any) -> Any:
+    """Runs in the router replica: its OpenAIServing, found by a walk through attributes from
+    the replica actor (no Serve internals named; gc.get_objects would miss it, Serve freezes
+    the startup objects)."""
     from router.serving import OpenAIServing
     seen, frontier = set(), [replica]
     for _ in range(8):
         found = [o for o in frontier if isinstance(o, OpenAIServing)]
         if found:
-            return found[0].client
+            return found[0]
         nxt = []
         for obj in frontier:
             for value in getattr(obj, "__dict__", {}).values():
@@ -145,6 +145,12 @@ def _replica_client(replica: Any) -> Any:
                     nxt.append(value)
         frontier = nxt
     raise RuntimeError("no OpenAIServing found in the router replica")
+
+
+def _replica_client(replica: Any) -> Any:
+    """Runs in the router replica: the EngineClient its OpenAIServing calls (it comes back as
+    a copy with the same handles)."""
+    return replica_serving(replica).client
 
 
 def borrow_client(timeout_s: float, app: str = APP) -> Any:
