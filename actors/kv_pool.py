@@ -103,6 +103,10 @@ class DistributedKVCache:
         self.transport.register(self.kv, layout)
         self.index = BlockIndex(layout.num_blocks)
         self._pending: dict[str, _Pending] = {}
+        # Keys some put is writing now, and how many puts: another put without a hold skips
+        # them (the KV tiers' engines of a node write the same prefix at once: P's and D's
+        # copies would reserve it twice, and evict other keys to make the room).
+        self._writing: dict[Key, int] = {}
         self._holds: dict[str, _Hold] = {}
         # Released holds, until hold_s later: a put that comes after its release (an abort
         # that overtook it) is refused instead of holding blocks nobody will read.
@@ -149,8 +153,8 @@ class DistributedKVCache:
         """Reserve blocks for the keys not cached yet. With `hold`, every key's block is kept
         for one reader, and a pool too full to take them all refuses the put."""
         with self._lock:
-            cached = self.index.cached
-            missing = [i for i, k in enumerate(keys) if k not in cached]
+            cached, writing = self.index.cached, (self._writing if hold is None else {})
+            missing = [i for i, k in enumerate(keys) if k not in cached and k not in writing]
             if hold in self._released:
                 raise TransferError(f"hold {hold} was released before its put")
             if hold is not None:  # pin the cached ones before allocating may evict them
@@ -165,6 +169,8 @@ class DistributedKVCache:
                                     f"(hold {hold})")
             missing = missing[:len(blocks)]  # the pool may be full of pinned blocks
             grant = Grant(uuid.uuid4().hex, blocks, [keys[i] for i in missing], missing)
+            for key in grant.keys:
+                self._writing[key] = self._writing.get(key, 0) + 1
             self._track("put", peer, grant, hold)
             return grant
 
@@ -256,6 +262,10 @@ class DistributedKVCache:
         if ok:   # blocks moved in (put) or out (get), for the bytes in/out metrics
             self.moved[p.kind] += len(p.grant.block_ids)
         if p.kind == "put":
+            for key in p.grant.keys:
+                left = self._writing.pop(key, 1) - 1
+                if left:
+                    self._writing[key] = left
             if ok:
                 kept = self.index.insert(p.grant.keys, p.grant.block_ids)
                 if p.hold is not None:
