@@ -27,11 +27,11 @@ def test_decode_rows_per_batch_and_context_take_the_counted_experts_and_latent_k
     args = argparse.Namespace(shape="tiny-deepseek-v2", tp_one=1, expert_parallel=False,
                               batches="2,4", context="24,40", steps=STEPS, prefill="",
                               quantization=None, kv_cache_dtype="auto", engine=[],
-                              no_count_experts=False)
+                              no_count_experts=False, top_kernels=12)
     with mock.patch.object(torch.cuda, "get_device_name", lambda *a: "cpu"), \
             mock.patch.object(torch.cuda, "synchronize", lambda *a: None), \
             mock.patch.object(tp_bench, "copy_bandwidth", lambda: BANDWIDTH), \
-            mock.patch.object(tp_bench, "collective_ms", lambda *a: {}):
+            mock.patch.object(tp_bench, "collective_ms", lambda *a, **k: {}):
         res = tp_bench.run_one(args)
     kv_token = 2 * (32 + 8) * 2           # layers x (kv_lora_rank + RoPE dim) x bf16
     assert res["kv_bytes_per_token"] == res["kv_bytes_per_token_per_gpu"] == kv_token

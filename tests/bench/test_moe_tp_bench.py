@@ -26,11 +26,11 @@ def run(tp: int, expert_parallel: bool, monkeypatch) -> dict:
     args = argparse.Namespace(shape="tiny-qwen3-moe", tp_one=tp, expert_parallel=expert_parallel,
                               batches="4", context=24, steps=STEPS, prefill="1x16",
                               quantization=None, kv_cache_dtype="auto", engine=[],
-                              no_count_experts=False)
+                              no_count_experts=False, top_kernels=12)
     with mock.patch.object(torch.cuda, "get_device_name", lambda *a: "cpu"), \
             mock.patch.object(torch.cuda, "synchronize", lambda *a: None), \
             mock.patch.object(tp_bench, "copy_bandwidth", lambda: BANDWIDTH), \
-            mock.patch.object(tp_bench, "collective_ms", lambda *a: {}):
+            mock.patch.object(tp_bench, "collective_ms", lambda *a, **k: {}):
         return tp_bench.run_one(args)
 
 
