@@ -145,8 +145,8 @@ class OpenAIServing:
         return requested
 
     def _jobs(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-              max_tokens: int | None, logprobs: int | None, request_id: str) -> list[Job]:
-        tenant = tenants.CURRENT.get()
+              max_tokens: int | None, logprobs: int | None, request_id: str,
+              tenant: tenants.Tenant | None) -> list[Job]:
         jobs = []
         for p, ids in enumerate(prompts):
             budget = self._max_tokens(max_tokens, len(ids))
@@ -164,9 +164,10 @@ class OpenAIServing:
                      prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
                      fmt: Formatter) -> Body:
         req.check_token_ids(self.tokenizer.vocab_size)
-        jobs = self._jobs(req, prompts, max_tokens, logprobs, fmt.request_id)
+        tenant = tenants.CURRENT.get()      # set by the API's auth (None: no tenants)
+        jobs = self._jobs(req, prompts, max_tokens, logprobs, fmt.request_id, tenant)
         self.check_available()
-        if (tenant := tenants.CURRENT.get()) is not None:      # 429 past its own limits
+        if tenant is not None:              # 429 past its own limits
             tenant.admit(sum(len(job.prompt_ids) + job.params.max_tokens for job in jobs))
         trace = None if self.tracing is None else CURRENT.get()
         if trace is not None:
