@@ -1,6 +1,7 @@
 """Engines by name (router/control/engines.py) and their adoption (EngineFleet.take_over), as
 data: which names are one application's, and the slots a replacement controller makes of the
-engines it finds (the real adoption under `serve run`: test_controller_failover.py)."""
+engines it finds (the real adoption under `serve run`:
+tests/router/control/test_control_plane.py)."""
 from __future__ import annotations
 
 from actors.messages import ReplicaLoad
