@@ -2,8 +2,8 @@
 on the CPU (gloo ranks): P tp=2 -> D tp=1, P tp=1 -> D tp=2 and P tp=2 -> D tp=2 give the
 greedy output of a colocated TP=1 engine (and HF), in push mode over nixl and ray and in pooled
 mode; every KV block is free afterwards; a mapping that cannot work is refused at startup. A
-mixture of experts too, expert parallel on its tp=2 side (P 1 -> D 2, P 2 -> D 1): the KV
-handoff depends on the attention layout alone."""
+mixture of experts too, expert parallel on its tp=2 side (P 1 -> D 2): the KV handoff
+depends on the attention layout alone."""
 from __future__ import annotations
 
 import asyncio
@@ -90,18 +90,21 @@ def check_serves_colocated_output(expected: tuple[str, list[list[int]]], mode: s
             ray.kill(actor)
 
 
+# A covering set, not the cross product: each degree pair (2 -> 1, 1 -> 2, 2 -> 2), each
+# transport and each mode appears at least once. Push mode over nixl from 1 to 2 ranks is
+# also what test_a_killed_rank_of_a_tp2_decoder_migrates_its_stream_to_another serves its
+# exact stream over. Each case starts 3-5 engine processes (about 10 s on 2 cores).
 @pytest.mark.parametrize("mode, transport, p_tp, d_tp", [
-    ("disaggregated", "nixl", 2, 1), ("disaggregated", "nixl", 1, 2),
-    ("disaggregated", "nixl", 2, 2), ("disaggregated", "ray", 2, 1),
-    ("disaggregated", "ray", 1, 2), ("disaggregated", "ray", 2, 2), ("pooled", "nixl", 2, 1),
-    ("pooled", "nixl", 1, 2)])
+    ("disaggregated", "nixl", 2, 2), ("disaggregated", "ray", 2, 1), ("pooled", "nixl", 1, 2)])
 def test_tensor_parallel_degrees_may_differ_between_p_and_d(expected, mode, transport, p_tp,
                                                            d_tp):
     check_serves_colocated_output(expected, mode, transport, p_tp, d_tp)
 
 
-@pytest.mark.parametrize("transport, p_tp, d_tp", [
-    ("nixl", 1, 2), ("nixl", 2, 1), ("ray", 1, 2), ("ray", 2, 1)])
+# One side split, the other not: the experts split differently on P and D. The other
+# direction and transport (P 2 -> D 1 over nixl) carries the same attention KV as the dense
+# model's cases above: the handoff depends on the attention layout alone.
+@pytest.mark.parametrize("transport, p_tp, d_tp", [("ray", 1, 2)])
 def test_a_mixture_of_experts_may_split_its_experts_differently_on_p_and_d(
         moe_expected, transport, p_tp, d_tp):
     check_serves_colocated_output(moe_expected, "disaggregated", transport, p_tp, d_tp,
