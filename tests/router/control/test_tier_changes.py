@@ -86,47 +86,54 @@ def test_prefill_replica_becomes_decode_and_back_without_reloading(tiny):
         shutdown(client)
 
 
-def test_a_busy_replica_refuses_to_change_roles(tiny):
-    """set_role on an engine holding KV (a reservation waiting for its prompt's KV) raises and
-    leaves it serving its role; the fleet gives a flip up at its timeout, READY again."""
-    client = start(tiny, "nixl", num_p=1, num_d=2)
-    fleet, d1 = client.fleet, client.decode[1]
-    try:
-        dest = ray.get(d1.reserve.remote("held", list(range(5, 60)), PARAMS), timeout=30)
-        assert dest is not None
-        with pytest.raises(ray.exceptions.RayTaskError, match="not idle"):
-            ray.get(d1.set_role.remote("prefill", 9), timeout=30)
-        key = asyncio.run(fleet.flip("decode", 1, 3.0))        # gives up: still holding
-        assert key is None
-        assert states(fleet)[("decode", 1)] == "ready"
-        assert load_of(d1).role == "decode" and ("prefill", 1) not in fleet.slots
-        ray.get(d1.abort.remote("held"), timeout=30)
-        outs = asyncio.run(_run(client, [list(range(5, 60))], lambda i: Route(1, 0)))
-        assert outs == [LLM(tiny).generate([list(range(5, 60))], PARAMS)[0]
-                        .outputs[0].token_ids]
-    finally:
-        shutdown(client)
-
-
-def test_an_added_decode_replica_joins_the_handoff_and_serves(tiny):
+@pytest.fixture(scope="module")
+def grown(tiny):
+    """A fleet of its own (1 P + 1 D, EngineFleet.for_app) grown by one decode replica
+    (EngineFleet.add), its client following it: (the client, the added replica's key). The
+    added replica's test checks the growth; the busy replica's test then uses the same 1 P +
+    2 D (starting engine actors takes seconds each on 2 cores)."""
     config = AppConfig.from_args({"engine": {"model": tiny, "block_size": 16},
                                   "transport": "nixl"})
     options = {role: {"num_cpus": 0} for role in ("prefill", "decode")}
     client = DisaggregatedClient.start(config, replica_engine(config, tiny), options)
-    prompts = [list(range(5, 5 + 40 + 7 * i)) for i in range(3)]
-    expected = [o.outputs[0].token_ids for o in LLM(tiny).generate(prompts, PARAMS)]
     try:
         async def go():
             await client.wait_ready(120)
             key = client.fleet.add("decode")
             client.update(await client.fleet.wait_serving(120))
-            return key, await _run(client, prompts, lambda i: Route(1, 0))
-        key, outs = asyncio.run(go())
-        assert key == ("decode", 1) and client.fleet.targets == {"prefill": 1, "decode": 2}
-        assert outs == expected
-        assert load_of(client.decode[1]).num_running == 0
+            return key
+        yield client, asyncio.run(go())
     finally:
         shutdown(client)
+
+
+def test_an_added_decode_replica_joins_the_handoff_and_serves(tiny, grown):
+    client, key = grown
+    prompts = [list(range(5, 5 + 40 + 7 * i)) for i in range(3)]
+    expected = [o.outputs[0].token_ids for o in LLM(tiny).generate(prompts, PARAMS)]
+    outs = asyncio.run(_run(client, prompts, lambda i: Route(1, 0)))
+    assert key == ("decode", 1) and client.fleet.targets == {"prefill": 1, "decode": 2}
+    assert outs == expected
+    assert load_of(client.decode[1]).num_running == 0
+
+
+def test_a_busy_replica_refuses_to_change_roles(tiny, grown):
+    """set_role on an engine holding KV (a reservation waiting for its prompt's KV) raises and
+    leaves it serving its role; the fleet gives a flip up at its timeout, READY again."""
+    client, _ = grown
+    fleet, d1 = client.fleet, client.decode[1]
+    dest = ray.get(d1.reserve.remote("held", list(range(5, 60)), PARAMS), timeout=30)
+    assert dest is not None
+    with pytest.raises(ray.exceptions.RayTaskError, match="not idle"):
+        ray.get(d1.set_role.remote("prefill", 9), timeout=30)
+    key = asyncio.run(fleet.flip("decode", 1, 3.0))        # gives up: still holding
+    assert key is None
+    assert states(fleet)[("decode", 1)] == "ready"
+    assert load_of(d1).role == "decode" and ("prefill", 1) not in fleet.slots
+    ray.get(d1.abort.remote("held"), timeout=30)
+    outs = asyncio.run(_run(client, [list(range(5, 60))], lambda i: Route(1, 0)))
+    assert outs == [LLM(tiny).generate([list(range(5, 60))], PARAMS)[0]
+                    .outputs[0].token_ids]
 
 
 async def _prefilling(actor) -> bool:
