@@ -297,8 +297,8 @@ def test_planner_replay_of_a_shifting_mix_beats_the_best_fixed_pools(h100_profil
     over the same trace (the best fixed one is its starting point)."""
     assert main(["tune", "--profile", str(h100_profile), "-o", str(tmp_path), "--quiet",
                  "--planner", "--rate", "30", "--gpus", "8", "--ttft-slo", "1s",
-                 "--tpot-slo", "25ms", "--phase", "128", "1024", "100s",
-                 "--phase", "3072", "16", "100s", "--interval", "10s"]) == 0
+                 "--tpot-slo", "25ms", "--phase", "128", "1024", "50s",
+                 "--phase", "3072", "16", "50s", "--interval", "5s"]) == 0
     report = json.loads((tmp_path / "planner.json").read_text())
     planner, fixed = report["planner"], report["best_fixed"]
     assert planner["goodput_per_gpu"] > fixed["goodput_per_gpu"]
