@@ -1,13 +1,15 @@
 """Structured output and tool calls through the real `serve run configs/pd.yaml`
 (disaggregated, 1 P + 1 D, the bundled SmolLM2-135M-Instruct), driven with the official openai
-client: 20 chats under a json_schema response format and 20 under json_object, every one that
-stops parses (and validates) and at least 18 of 20 stop within 256 tokens; a named tool_choice
-always yields a call of that function whose arguments validate; both stream (and
+client: 10 chats under a json_schema response format and 10 under json_object (20 names between
+them), every one that stops parses (and validates) and at least 9 of 10 stop within 256 tokens;
+a named tool_choice always yields a call of that function whose arguments validate; both
+stream (and
 tool_choice "required"); vLLM's
 guided_choice / guided_regex on completions; an invalid schema is a 400 naming the field.
 
-The server is the session's shared default application (conftest.py); each batch of 20 runs
-concurrently (one decode batch).
+The server is the session's shared default application (conftest.py); each batch of 10 runs
+concurrently (one decode batch). A batch's time grows with its requests, not its tokens
+(each stops within ~40): the engines' grammar work per sequence and step, on 2 cores.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ pytestmark = [pytest.mark.serve, pytest.mark.slow]
 MAX_TOKENS = 256
 NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Fatima", "Goran", "Hana", "Ivan", "Jin",
          "Kofi", "Lena", "Mateo", "Nia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara"]
+BATCH = 10                     # chats of one batch: each batch takes its own half of NAMES
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string"},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -75,10 +78,11 @@ def weather(city: str) -> list[dict]:
     return [{"role": "user", "content": f"What is the weather like in {city} today?"}]
 
 
-def chats(client: Client, messages=ask, **kw) -> list:
+def chats(client: Client, half: int, messages=ask, **kw) -> list:
+    """A batch of BATCH chats, one per name of NAMES' first (0) or second (1) half."""
     return client.run(lambda c: [c.chat.completions.create(
         model="default", messages=messages(n), max_tokens=MAX_TOKENS, temperature=0, **kw)
-        for n in NAMES])
+        for n in NAMES[half * BATCH:(half + 1) * BATCH]])
 
 
 def check_batch(responses: list, schema: dict | None, what: str) -> int:
@@ -90,20 +94,20 @@ def check_batch(responses: list, schema: dict | None, what: str) -> int:
             jsonschema.validate(value, schema or {"type": "object"})
             stopped += 1
     print(f"{what}: {stopped}/{len(responses)} stopped within {MAX_TOKENS} tokens")
-    assert stopped >= 18
+    assert stopped >= BATCH - 1
     return stopped
 
 
 def test_json_schema_responses_validate(client):
-    check_batch(chats(client, response_format=PERSON_FORMAT), PERSON, "json_schema")
+    check_batch(chats(client, 0, response_format=PERSON_FORMAT), PERSON, "json_schema")
 
 
 def test_json_object_responses_parse(client):
-    check_batch(chats(client, response_format={"type": "json_object"}), None, "json_object")
+    check_batch(chats(client, 1, response_format={"type": "json_object"}), None, "json_object")
 
 
 def test_a_named_tool_choice_always_yields_a_valid_call(client):
-    responses = chats(client, weather, tools=[WEATHER],
+    responses = chats(client, 0, weather, tools=[WEATHER],
                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
     for r in responses:
         msg = r.choices[0].message
