@@ -104,7 +104,8 @@ def make_client(config: AppConfig, engine: EngineConfig) -> Any:
         from router.colocated_client import ColocatedClient
         return ColocatedClient(timeout)
     from router.disagg_client import DisaggregatedClient
-    return DisaggregatedClient(config.prefill_failure_policy == "recompute", timeout)
+    return DisaggregatedClient(config.prefill_failure_policy == "recompute", timeout,
+                               max_migrations=config.limits.max_migrations)
 
 
 @serve.deployment(health_check_period_s=ROUTER_HEALTH_CHECK_S)

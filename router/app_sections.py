@@ -95,6 +95,9 @@ class Limits(BaseModel):
         "waiting requests before the router answers 429"))
     request_timeout_s: float = Field(600.0, gt=0, description=(
         "a request running longer is aborted (504)"))
+    max_migrations: int = Field(3, ge=0, description=(
+        "times a stream may move to another decode replica when its own dies; the next "
+        "death fails it (503)"))
 
 
 class Routing(BaseModel):

@@ -42,6 +42,9 @@ Failures, by where they happen:
                                        LOCAL_PREFILL; else FAILED
     - D died                         → MIGRATED: a new attempt on another live D from prompt +
                                        tokens already streamed; the caller sees one stream
+    - D died, the request already moved `max_migrations` times
+                                     → FAILED: EngineUnavailable (a request that kills
+                                       every D it lands on must not take the tier down)
     - no live D left                 → FAILED: EngineUnavailable
 Closing the stream early aborts the request on P and D (ABORTED). Every engine the client
 uses holds its subscriber lease (renewed by OutputStreams): if this router replica dies, the
@@ -87,8 +90,9 @@ class DisaggregatedClient:
     benchmarks, brought up by `wait_ready`."""
 
     def __init__(self, recompute: bool = True, timeout_s: float = 120.0,
-                 fleet: EngineFleet | None = None):
+                 fleet: EngineFleet | None = None, max_migrations: int = 3):
         self.recompute, self.timeout_s, self.fleet = recompute, timeout_s, fleet
+        self.max_migrations = max_migrations
         self.table = ReplicaTable()
         self.handoff: KVHandoff | None = None
         self.streams = OutputStreams()       # D's outputs, one Ray stream per D
@@ -124,15 +128,15 @@ class DisaggregatedClient:
         wait_ready: tests and benchmarks without Serve."""
         fleet = EngineFleet.for_app(config, engine, actor_options, supervise=False)
         return cls(config.prefill_failure_policy == "recompute",
-                   float(config.limits.request_timeout_s), fleet)
+                   float(config.limits.request_timeout_s), fleet, config.limits.max_migrations)
 
     @classmethod
     def over(cls, prefill: Sequence[Any], decode: Sequence[Any], recompute: bool = True,
              handoff: KVHandoff | None = None, timeout_s: float = 120.0,
-             mode: str = "disaggregated") -> DisaggregatedClient:
+             mode: str = "disaggregated", max_migrations: int = 3) -> DisaggregatedClient:
         """A client over actors the caller started (tests)."""
         fleet = EngineFleet.adopt(mode, prefill, decode, handoff or PushHandoff())
-        return cls(recompute, timeout_s, fleet)
+        return cls(recompute, timeout_s, fleet, max_migrations)
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Bring this client's own fleet up: every replica loaded and joined to the KV
@@ -190,6 +194,11 @@ class DisaggregatedClient:
                     self.handoff.release(attempt.id)
                     self.table.mark_dead((Role.DECODE, d_id))
                     try:
+                        if number >= self.max_migrations:
+                            raise EngineUnavailable(
+                                f"request {request_id} lost its decode replica "
+                                f"{number + 1} times (limits.max_migrations: "
+                                f"{self.max_migrations})") from e
                         d_id = self._live(Role.DECODE, exclude=d_id, cause=e)
                     except EngineUnavailable:
                         attempt.move_to(Stage.FAILED)
