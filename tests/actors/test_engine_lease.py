@@ -4,7 +4,7 @@ itself within the lease plus the watchdog's period.
 - the lease alone: renewals past its length keep it held, and it lapses (its action runs)
   once they stop;
 - a real detached, named EngineActor with a 3 s lease: alive while renewed for longer than
-  that, then, with no renewal, its process ends by itself and Ray frees its name.
+  that (1.5 leases), then, with no renewal, its process ends by itself and Ray frees its name.
 """
 from __future__ import annotations
 
@@ -39,21 +39,24 @@ def test_renewed_lease_holds_and_an_unrenewed_one_lapses_within_its_length():
 
 
 @pytest.mark.slow
-def test_engine_whose_lease_lapses_stops_itself(ray_cluster, default_model_dir):
+def test_engine_whose_lease_lapses_stops_itself(ray_cluster, tiny_model_root):
     from ray._private.state import actors
 
     from actors.engine_actor import EngineActor
     from pd_cluster.config import EngineConfig
+    from tests.support.tiny_models import make_tiny_model
     ray = ray_cluster
     name = "pd-lease-test-decode-0"
-    config = EngineConfig(model=default_model_dir, block_size=16, num_kv_blocks=64)
+    # A tiny model: the lease is the engine actor's, whatever model it serves.
+    config = EngineConfig(model=make_tiny_model("llama_gqa", tiny_model_root), block_size=16,
+                          num_kv_blocks=64)
     engine = EngineActor.options(num_cpus=0, name=name, lifetime="detached",
                                  max_restarts=0).remote(config, "decode", 0, "ray", 30.0,
                                                         engine_lease_s=ACTOR_LEASE_S)
     actor_id = engine._actor_id.hex()
     try:
         ray.get(engine.load.remote(), timeout=120)     # the model loaded: the lease runs
-        held_until = time.monotonic() + 2 * ACTOR_LEASE_S
+        held_until = time.monotonic() + 1.5 * ACTOR_LEASE_S
         while time.monotonic() < held_until:
             assert ray.get(engine.renew_lease.remote(), timeout=10) == ACTOR_LEASE_S
             renewed = time.monotonic()
