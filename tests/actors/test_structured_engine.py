@@ -104,35 +104,38 @@ def shutdown(client):
         ray.kill(a)
 
 
-@pytest.mark.usefixtures("ray_cluster")
-def test_disaggregated_output_is_valid_and_equals_colocated(tiny_tok, colocated):
-    client = start(tiny_tok)
-    try:
-        async def go():
-            return await asyncio.gather(*[collect(client, f"s{i}", p, params(SCHEMA),
-                                                  Route(0, 0)) for i, p in enumerate(PROMPTS)])
-        outs = asyncio.run(go())
-        for o, (text, reason, ids) in zip(outs, colocated):
-            assert_valid(o.outputs[0].text, o.outputs[0].finish_reason, SCHEMA)
-            assert o.outputs[0].token_ids == ids
-    finally:
-        shutdown(client)
+@pytest.fixture(scope="module")
+def grammar_pd(ray_cluster, tiny_tok):
+    """P and two D over nixl, for both disaggregated tests (each engine actor takes seconds of
+    CPU to start): the second D is where a stream goes on once the last test kills D0."""
+    client = start(tiny_tok, num_d=2)
+    yield client
+    shutdown(client)
 
 
-@pytest.mark.usefixtures("ray_cluster")
-def test_grammar_survives_a_decode_replica_dying_mid_stream(tiny_tok):
+def test_disaggregated_output_is_valid_and_equals_colocated(grammar_pd, colocated):
+    client = grammar_pd
+
+    async def go():
+        return await asyncio.gather(*[collect(client, f"s{i}", p, params(SCHEMA),
+                                              Route(0, 0)) for i, p in enumerate(PROMPTS)])
+    outs = asyncio.run(go())
+    for o, (text, reason, ids) in zip(outs, colocated):
+        assert_valid(o.outputs[0].text, o.outputs[0].finish_reason, SCHEMA)
+        assert o.outputs[0].token_ids == ids
+
+
+def test_grammar_survives_a_decode_replica_dying_mid_stream(grammar_pd, tiny_tok):
+    client = grammar_pd
     prompt = list(range(10, 50))
     expected = LLM(tiny_tok, block_size=16, num_kv_blocks=64).generate(
         [prompt], params(LIST_SCHEMA))[0].outputs[0]
     assert_valid(expected.text, expected.finish_reason, LIST_SCHEMA)
-    client = start(tiny_tok, num_d=2)
-    try:
-        async def kill_after_some(out):
-            if len(out.outputs[0].token_ids) == 12:
-                ray.kill(client.decode[0])
-        final = asyncio.run(collect(client, "m", prompt, params(LIST_SCHEMA), Route(0, 0),
-                                    kill_after_some)).outputs[0]
-        assert_valid(final.text, final.finish_reason, LIST_SCHEMA)
-        assert final.token_ids == expected.token_ids
-    finally:
-        shutdown(client)
+
+    async def kill_after_some(out):
+        if len(out.outputs[0].token_ids) == 12:
+            ray.kill(client.decode[0])
+    final = asyncio.run(collect(client, "m", prompt, params(LIST_SCHEMA), Route(0, 0),
+                                kill_after_some)).outputs[0]
+    assert_valid(final.text, final.finish_reason, LIST_SCHEMA)
+    assert final.token_ids == expected.token_ids
