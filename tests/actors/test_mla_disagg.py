@@ -34,7 +34,10 @@ def colocated(tiny_model_root) -> tuple[str, list[list[int]]]:
     return model_dir, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("transport", ["nixl", "ray"])
+# Over nixl between single-rank engines; the latent cache moves over ray too in
+# test_latent_cache_moves_between_tensor_parallel_degrees (P 1 rank -> D 2), whose output
+# equals the same colocated engine's.
+@pytest.mark.parametrize("transport", ["nixl"])
 def test_disaggregated_latent_cache_equals_colocated(transport, colocated):
     model_dir, expected = colocated
     if transport == "nixl":
