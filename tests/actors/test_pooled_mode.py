@@ -118,7 +118,7 @@ def expected(tiny):
 @pytest.fixture(scope="module")
 def nixl_pooled(ray_cluster, tiny):
     """One nixl deployment for every nixl test of the module. Two decoders, for the tests
-    that read from another D or kill one."""
+    that read from another D or kill one (that one runs last of them)."""
     client = start(tiny, "nixl", num_decode=2)
     yield client
     shutdown(client)
@@ -194,21 +194,20 @@ def test_aborts_at_every_stage_free_every_engine_and_the_pool(pooled):
     assert_all_free(pooled)
 
 
-def test_killed_decoder_continues_on_another_and_frees_everything(ray_cluster, tiny):
+def test_killed_decoder_continues_on_another_and_frees_everything(nixl_pooled, tiny):
+    """The module's nixl deployment, last of its tests: it kills decoder 0."""
+    client = nixl_pooled
     prompt = list(range(10, 50))
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     want = LLM(tiny).generate([prompt], params)[0].outputs[0].token_ids
-    client = start(tiny, "nixl", num_decode=2)    # its own: it kills decoder 0
-    try:
-        async def kill_after_some(out):
-            if len(out.outputs[0].token_ids) == 20:
-                ray.kill(client.decode[0])
-        final = asyncio.run(collect(client, "k", prompt, params, Route(0, 0), kill_after_some))
-        assert final.outputs[0].token_ids == want
-        assert ("decode", 0) in client.dead
-        assert_all_free(client)
-    finally:
-        shutdown(client)
+
+    async def kill_after_some(out):
+        if len(out.outputs[0].token_ids) == 20:
+            ray.kill(client.decode[0])
+    final = asyncio.run(collect(client, "k", prompt, params, Route(0, 0), kill_after_some))
+    assert final.outputs[0].token_ids == want
+    assert ("decode", 0) in client.dead
+    assert_all_free(client)
 
 
 @pytest.mark.slow      # the default model in P, D and the colocated engine
