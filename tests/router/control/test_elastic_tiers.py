@@ -42,11 +42,11 @@ PHASE_S = 240.0                   # longest a phase may take to move the tiers
 # Each distinct request is regenerated offline for the comparison (most of the module's time
 # on 2 cores): short outputs, and the clients share a few prompts, over and over. The
 # decode-heavy phase's concurrency, not its prompts or output length, pushes TPOT over its
-# SLO (16 tokens: its requests report to the planner within seconds, and those in flight at
+# SLO (8 tokens: its requests report to the planner within seconds, and those in flight at
 # the flip end soon after it, as the phase waits for them); the prompt-heavy clients all
 # send one long prompt, which with no prefix cache costs P as much each time as distinct
 # ones would (regenerating a 600-token prompt takes ~3 s on one thread).
-DECODE_HEAVY = (32, 16, 20, 4)    # concurrency, max_tokens, prompt tokens, distinct prompts
+DECODE_HEAVY = (32, 8, 20, 4)     # concurrency, max_tokens, prompt tokens, distinct prompts
 PROMPT_HEAVY = (4, 2, 600, 1)
 VOCAB = 49152
 
@@ -217,7 +217,7 @@ def test_removing_a_prefill_replica_while_requests_stream_fails_none(server: str
         async with httpx.AsyncClient(timeout=300) as client:
             # One prompt (no prefix cache: each stream prefills all of it), regenerated once.
             streams = [asyncio.ensure_future(complete(client, server, prompt_ids(5000, 300),
-                                                      16))
+                                                      8))
                        for i in range(12)]
             await asyncio.sleep(1.0)
             membership = await asyncio.to_thread(
