@@ -71,10 +71,6 @@ def ingress_env(haproxy: bool) -> dict[str, str]:
 @contextlib.contextmanager
 def serving(args: dict, opts: argparse.Namespace) -> Iterator[str]:
     """URL of the application built from `args` on a private local Ray; stopped afterwards."""
-    from ray import serve
-
-    from router.app import build_app
-
     os.environ["PYTHONPATH"] = os.pathsep.join([str(PACKAGES_ROOT),
                                                 os.environ.get("PYTHONPATH", "")])
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -86,23 +82,9 @@ def serving(args: dict, opts: argparse.Namespace) -> Iterator[str]:
              include_dashboard=False, namespace="serve", log_to_driver=False,
              _temp_dir=str(work))
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run_many([serve.RunTarget(build_app(args), name=APP, route_prefix="/")],
-                       wait_for_applications_running=False)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + opts.start_timeout
-        while get_text(f"{url}/health", timeout=5) is None:
-            app = serve.status().applications.get(APP)
-            if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-                raise RuntimeError(f"the application failed to start: {app.message}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no healthy application after {opts.start_timeout} s")
-            time.sleep(1)
-        yield url
+        with serve_app(args, opts.start_timeout) as url:
+            yield url
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
         ray.shutdown()
         keep = os.environ.get("PD_BENCH_KEEP_LOGS")    # a directory: Ray's logs go there
         if keep:
@@ -111,6 +93,34 @@ def serving(args: dict, opts: argparse.Namespace) -> Iterator[str]:
                                 dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
         _wait_gpus_free()
+
+
+@contextlib.contextmanager
+def serve_app(args: dict, start_timeout: float) -> Iterator[str]:
+    """URL of the application built from `args`, served on the Ray this process is connected
+    to (Serve on a free loopback port) once it answers /health; Serve stopped afterwards."""
+    from ray import serve
+
+    from router.app import build_app
+
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run_many([serve.RunTarget(build_app(args), name=APP, route_prefix="/")],
+                       wait_for_applications_running=False)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + start_timeout
+        while get_text(f"{url}/health", timeout=5) is None:
+            app = serve.status().applications.get(APP)
+            if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise RuntimeError(f"the application failed to start: {app.message}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no healthy application after {start_timeout} s")
+            time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
 
 
 def _wait_gpus_free(timeout: float = 60.0) -> None:
