@@ -5,7 +5,7 @@ from tests.support.hf_reference import hf_greedy
 from pd_cluster import LLM, SamplingParams
 from tests.support.tiny_models import make_tiny_model, mixed_prompts
 
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 
 
 @pytest.mark.slow
@@ -16,7 +16,7 @@ def test_greedy_matches_hf_with_chunking_prefix_sharing_and_preemption(family, t
     prompts = mixed_prompts()
     expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
     # Block size 4 and a 7-token budget split every prompt longer than 7 into chunks; 40 blocks
-    # (160 tokens) cannot hold 8 sequences of up to 100 tokens, so requests get preempted.
+    # (160 tokens) cannot hold 8 sequences of up to 69 tokens, so requests get preempted.
     llm = LLM(model_dir, block_size=4, num_kv_blocks=40, max_num_batched_tokens=7)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params)

@@ -16,14 +16,17 @@ from tests.support.hf_reference import hf_greedy
 from pd_cluster import LLM, SamplingParams
 from tests.support.tiny_models import make_tiny_model, mixed_prompts
 
-NEW_TOKENS = 24
+# 12 tokens with 30 blocks still preempt (the pool holds 120 tokens of the 250 asked for).
+NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.mark.slow
+# Each family once: Qwen3-MoE with every expert sliced across the ranks, Mixtral with expert
+# parallelism (the two MoE layouts; each family's model code is the same in both).
 @pytest.mark.parametrize("family, expert_parallel", [
     ("llama_gqa", False), ("qwen3_qknorm", False), ("mistral", False), ("qwen3_moe", False),
-    ("qwen3_moe", True), ("mixtral", True)])
+    ("mixtral", True)])
 def test_tp2_greedy_matches_hf_with_chunking_prefix_sharing_and_preemption(family,
                                                                            expert_parallel,
                                                                            tiny_model_root):
