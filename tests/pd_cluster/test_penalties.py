@@ -245,9 +245,10 @@ def test_sampled_rows_are_biased_and_penalized_too(tiny):
     assert sorted(outs[1].outputs[0].token_ids) == allowed
 
 
+# Each mode and each transport once: the penalties ride in the request and P's first token in
+# the hand-off, which are the same whichever transport moves the KV.
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("mode, transport", [("disaggregated", "nixl"),
-                                             ("disaggregated", "ray"), ("pooled", "ray")])
+@pytest.mark.parametrize("mode, transport", [("disaggregated", "nixl"), ("pooled", "ray")])
 def test_disaggregated_greedy_equals_the_reference(tiny, expected, mode, transport):
     ray = pytest.importorskip("ray")
     from router.app import start_client
