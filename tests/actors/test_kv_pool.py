@@ -161,6 +161,9 @@ def test_a_client_killed_mid_put_leaks_nothing(cluster, kv) -> None:
 def test_a_pool_killed_mid_get_fails_the_reader_cleanly(cluster) -> None:
     backend, pool, writer, reader = cluster
     doomed = RemotePool.remote(POOL_LAYOUT, backend, timeout_s=5.0, lease_s=TEST_LEASE_S)
+    # Started before the users call it: their calls give up after 5 s, and an actor's start
+    # (its imports) took longer than that on a loaded 2-core machine.
+    ray.get(doomed.stats.remote(), timeout=120)
     ray.get([writer.attach.remote(doomed), reader.attach.remote(doomed)])
     try:
         ray.get(writer.put.remote(KEYS[:3]))
