@@ -45,9 +45,9 @@ PHASE_S = 240.0                   # longest a phase may take to move the tiers
 # SLO (16 tokens: its requests report to the planner within seconds, and those in flight at
 # the flip end soon after it, as the phase waits for them; shorter ones turn the closed loop
 # over faster, and the one P left after the flip can then miss the TTFT SLO before the phase
-# ends, flipping it back); the prompt-heavy clients all
-# send one long prompt, which with no prefix cache costs P as much each time as distinct
-# ones would (regenerating a 600-token prompt takes ~3 s on one thread).
+# ends, flipping it back); the prompt-heavy clients all send one long prompt, which with no
+# prefix cache costs P as much each time as distinct ones would (regenerating a 600-token
+# prompt takes ~3 s on one thread).
 DECODE_HEAVY = (32, 16, 20, 4)    # concurrency, max_tokens, prompt tokens, distinct prompts
 PROMPT_HEAVY = (4, 2, 600, 1)
 VOCAB = 49152
