@@ -29,8 +29,10 @@ def test_fused_moe_kernel_in_an_engine_gives_the_references_tokens(family, tiny_
 
     monkeypatch.setattr(ops, "fused_moe", experts)
     d = make_tiny_model(family, tiny_model_root)
-    prompts = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [3, 4], list(range(40, 70))]
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # 31 prompt tokens in a 16-token budget: two full steps, then batches of 3 (the last
+    # prompt token with two decodes, then three decodes).
+    prompts = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [3, 4], list(range(40, 60))]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     runs = [[o.outputs[0].token_ids for o in
              LLM(d, attention_backend=b, max_num_batched_tokens=16).generate(prompts, greedy)]
             for b in ("triton", "torch")]
