@@ -41,7 +41,6 @@ import difflib
 import itertools
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -52,12 +51,12 @@ import aiohttp
 import numpy as np
 import ray
 
+from bench.harness.faults import FAULTS, alive_actors, routers
 from bench.harness.served_offline import machine
 from bench.harness.serving_runs import app_args, get_text, scrape
 from bench.kv_tiers_serving import git_commit
 from bench.serving_bench import APP, PACKAGES_ROOT, haproxy_wanted, ingress_env, serve_app
 from router.app import HAPROXY_RETRY_ENV
-from transfer.state import LEASE_S
 
 CONFIG = PACKAGES_ROOT / "configs" / "pd.yaml"
 ROUTER_HEADER = "x-pd-router"
@@ -72,8 +71,6 @@ SHAPES: dict[str, dict] = {
 FAULT_SHAPES = {"router": "pd", "controller": "pd", "prefill": "pd", "decode": "pd",
                 "stall": "pd", "tp_rank": "tp", "kv_pool": "pooled", "node": "nodes"}
 RECOVERED_TTFT_X = 2.0          # a recovered request's TTFT, against the fault-free p90
-STALL_S = LEASE_S + 2.0         # SIGSTOP of P: past the KV transfer's lease
-BUSY_POLL_S = 0.02              # how often an engine is asked whether it has work
 
 
 @dataclasses.dataclass
@@ -136,120 +133,6 @@ async def steady_load(url: str, opts: argparse.Namespace, stop: asyncio.Event) -
                 await asyncio.wait_for(stop.wait(), 1 / opts.rate)
         await asyncio.gather(*tasks)
     return out
-
-
-# -- what is running, and the faults --------------------------------------------------------------
-
-def alive_actors() -> list[dict]:
-    from ray._private.state import actors
-    return [a for a in actors().values() if a["State"] == "ALIVE"]
-
-
-def engine_actor(role: str, replica: int = 0) -> tuple[Any, int]:
-    """The application's engine actor of `role` and its process id."""
-    prefix = f"pd-{APP}-{role}-{replica}"
-    for a in alive_actors():
-        if a.get("Name", "").startswith(prefix):
-            return ray.get_actor(a["Name"], namespace=a.get("RayNamespace")), a["Pid"]
-    raise RuntimeError(f"no live engine actor named {prefix}*")
-
-
-def pid_of_class(name: str) -> int:
-    pids = [a["Pid"] for a in alive_actors() if name in a["ActorClassName"]]
-    if len(pids) != 1:
-        raise RuntimeError(f"expected one live {name} actor, found {len(pids)}")
-    return pids[0]
-
-
-def when_busy(actor: Any, timeout: float) -> dict:
-    """Once the engine has a request in its batch: its load then."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        load = ray.get(actor.load.remote(), timeout=10)
-        if load.num_running + load.num_waiting:
-            return {"running": load.num_running, "waiting": load.num_waiting,
-                    "kv_blocks_used": load.kv_blocks_used}
-        time.sleep(BUSY_POLL_S)
-    raise TimeoutError(f"the engine had no request for {timeout:g} s")
-
-
-def kill(pid: int, sig: int = signal.SIGKILL) -> float:
-    os.kill(pid, sig)
-    return time.monotonic()
-
-
-def routers(url: str, tries: int = 40) -> dict[str, int]:
-    """Router replica -> its process id, from /health answers (HAProxy spreads them)."""
-    seen: dict[str, int] = {}
-    for _ in range(tries):
-        body = json.loads(get_text(f"{url}/health", timeout=10) or "{}")
-        if "router" in body:
-            seen[body["router"]["replica"]] = body["router"]["pid"]
-    return seen
-
-
-def fault_router(url: str, ctx: dict) -> dict:
-    seen = routers(url)
-    if len(seen) < 2:
-        raise RuntimeError(f"the router fault needs two router replicas, saw {sorted(seen)}")
-    victim = sorted(seen)[0]
-    return {"at": kill(seen[victim]), "router": victim, "pid": seen[victim]}
-
-
-def fault_controller(url: str, ctx: dict) -> dict:
-    pid = pid_of_class("EngineController")
-    return {"at": kill(pid), "pid": pid}
-
-
-def fault_engine(role: str) -> Callable[[str, dict], dict]:
-    def inject(url: str, ctx: dict) -> dict:
-        actor, pid = engine_actor(role)
-        busy = when_busy(actor, ctx["busy_timeout"])
-        return {"at": kill(pid), "pid": pid, **busy}
-    return inject
-
-
-def fault_stall(url: str, ctx: dict) -> dict:
-    actor, pid = engine_actor("prefill")
-    busy = when_busy(actor, ctx["busy_timeout"])
-    at = kill(pid, signal.SIGSTOP)
-    try:
-        time.sleep(STALL_S)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    return {"at": at, "stopped_s": STALL_S, "stopped_pid": pid, **busy}
-
-
-def fault_tp_rank(url: str, ctx: dict) -> dict:
-    import psutil
-    actor, pid = engine_actor("decode")
-    busy = when_busy(actor, ctx["busy_timeout"])
-    ranks = [c for c in psutil.Process(pid).children(recursive=True)
-             if c.name().startswith(("python", "ray", "pd"))]
-    if not ranks:
-        raise RuntimeError("the decode replica has no rank process of its own (TP=1?)")
-    return {"at": kill(ranks[-1].pid), "pid": pid, "rank_pid": ranks[-1].pid, **busy}
-
-
-def fault_kv_pool(url: str, ctx: dict) -> dict:
-    pid = pid_of_class("DistributedKVCache")
-    return {"at": kill(pid), "pid": pid}
-
-
-def fault_node(url: str, ctx: dict) -> dict:
-    cluster, node = ctx["cluster"], ctx["nodes"]["prefill"]
-    actor, _ = engine_actor("prefill")
-    busy = when_busy(actor, ctx["busy_timeout"])
-    at = time.monotonic()
-    cluster.remove_node(node, allow_graceful=False)
-    return {"at": at, **busy}
-
-
-FAULTS: dict[str, Callable[[str, dict], dict]] = {
-    "router": fault_router, "controller": fault_controller,
-    "prefill": fault_engine("prefill"), "decode": fault_engine("decode"),
-    "stall": fault_stall, "tp_rank": fault_tp_rank, "kv_pool": fault_kv_pool,
-    "node": fault_node}
 
 
 # -- judging a run --------------------------------------------------------------------------------
