@@ -51,11 +51,11 @@ import aiohttp
 import numpy as np
 import ray
 
-from bench.harness.faults import FAULTS, alive_actors, routers
+from bench.harness.faults import FAULTS, engine_pids, replacements_used, wait_whole
 from bench.harness.served_offline import machine
-from bench.harness.serving_runs import app_args, get_text, scrape
+from bench.harness.serving_runs import app_args, scrape
 from bench.kv_tiers_serving import git_commit
-from bench.serving_bench import APP, PACKAGES_ROOT, haproxy_wanted, ingress_env, serve_app
+from bench.serving_bench import PACKAGES_ROOT, haproxy_wanted, ingress_env, serve_app
 from router.app import HAPROXY_RETRY_ENV
 
 CONFIG = PACKAGES_ROOT / "configs" / "pd.yaml"
@@ -240,31 +240,6 @@ def served(shape: str, opts: argparse.Namespace) -> Iterator[tuple[str, dict]]:
             cluster.shutdown()
 
 
-def whole(url: str, args: dict, gone_pid: int | None) -> bool:
-    """Every router replica and engine replica of the shape up and serving (/health "ok"),
-    and none of them the process the fault killed."""
-    body = json.loads(get_text(f"{url}/health", timeout=10) or "{}")
-    if body.get("status") != "ok":
-        return False
-    up = routers(url, tries=4 * args["router_replicas"])
-    engines = [a for a in alive_actors() if a.get("Name", "").startswith(f"pd-{APP}-")]
-    controllers = [a for a in alive_actors() if "EngineController" in a["ActorClassName"]]
-    pids = set(up.values()) | {a["Pid"] for a in engines + controllers}
-    return (len(up) == args["router_replicas"] and len(controllers) == 1
-            and len(engines) == args["num_prefill"] + args["num_decode"]
-            and gone_pid not in pids)
-
-
-def wait_whole(url: str, args: dict, gone_pid: int | None, timeout: float) -> float:
-    """Seconds until the application is `whole` again."""
-    began = time.monotonic()
-    while time.monotonic() - began < timeout:
-        if whole(url, args, gone_pid):
-            return round(time.monotonic() - began, 1)
-        time.sleep(1)
-    raise TimeoutError(f"the application was not whole again within {timeout:g} s")
-
-
 async def one_run(url: str, opts: argparse.Namespace, inject: Callable[[], dict] | None
                   ) -> tuple[list[Sent], dict | None]:
     """The load for lead_s + after_s, the fault (if any) injected after lead_s."""
@@ -280,22 +255,6 @@ async def one_run(url: str, opts: argparse.Namespace, inject: Callable[[], dict]
         stop.set()
         sent = await load
     return sent, fault
-
-
-def engine_pids() -> dict[str, int]:
-    return {a["Name"]: a["Pid"] for a in alive_actors()
-            if a.get("Name", "").startswith(f"pd-{APP}-")}
-
-
-def replacements_used(before: dict[str, int]) -> dict[str, bool]:
-    """Each engine actor started since `before`: whether it moved KV (a P pushed, a D took a
-    prompt's KV in) - the replacement is in use, not merely up."""
-    used = {}
-    for name, pid in engine_pids().items():
-        if before.get(name) != pid:
-            load = ray.get(ray.get_actor(name, namespace="serve").load.remote(), timeout=30)
-            used[name] = load.kv_bytes_transferred > 0
-    return used
 
 
 async def replay(url: str, sent: list[Sent], opts: argparse.Namespace) -> dict[int, str]:

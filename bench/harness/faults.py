@@ -1,7 +1,8 @@
 """bench/chaos.py's faults: finding the application's processes (router replicas through
 /health, the controller, engine actors by name, the KV pool) and injecting each fault into
 them. Each injector takes (URL, context) and returns what it did, "at" being the monotonic
-time of the fault and "pid" the process that is gone (when one is)."""
+time of the fault and "pid" the process that is gone (when one is). Then whether the
+application is whole again, and whether each replacement engine is in use."""
 from __future__ import annotations
 
 import json
@@ -131,3 +132,46 @@ FAULTS: dict[str, Callable[[str, dict], dict]] = {
     "prefill": fault_engine("prefill"), "decode": fault_engine("decode"),
     "stall": fault_stall, "tp_rank": fault_tp_rank, "kv_pool": fault_kv_pool,
     "node": fault_node}
+
+
+# -- the application whole again ----------------------------------------------------------------
+
+def whole(url: str, args: dict, gone_pid: int | None) -> bool:
+    """Every router replica and engine replica of the shape up and serving (/health "ok"),
+    and none of them the process the fault killed."""
+    body = json.loads(get_text(f"{url}/health", timeout=10) or "{}")
+    if body.get("status") != "ok":
+        return False
+    up = routers(url, tries=4 * args["router_replicas"])
+    engines = [a for a in alive_actors() if a.get("Name", "").startswith(f"pd-{APP}-")]
+    controllers = [a for a in alive_actors() if "EngineController" in a["ActorClassName"]]
+    pids = set(up.values()) | {a["Pid"] for a in engines + controllers}
+    return (len(up) == args["router_replicas"] and len(controllers) == 1
+            and len(engines) == args["num_prefill"] + args["num_decode"]
+            and gone_pid not in pids)
+
+
+def wait_whole(url: str, args: dict, gone_pid: int | None, timeout: float) -> float:
+    """Seconds until the application is `whole` again."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if whole(url, args, gone_pid):
+            return round(time.monotonic() - began, 1)
+        time.sleep(1)
+    raise TimeoutError(f"the application was not whole again within {timeout:g} s")
+
+
+def engine_pids() -> dict[str, int]:
+    return {a["Name"]: a["Pid"] for a in alive_actors()
+            if a.get("Name", "").startswith(f"pd-{APP}-")}
+
+
+def replacements_used(before: dict[str, int]) -> dict[str, bool]:
+    """Each engine actor started since `before`: whether it moved KV (a P pushed, a D took a
+    prompt's KV in) - the replacement is in use, not merely up."""
+    used = {}
+    for name, pid in engine_pids().items():
+        if before.get(name) != pid:
+            load = ray.get(ray.get_actor(name, namespace="serve").load.remote(), timeout=30)
+            used[name] = load.kv_bytes_transferred > 0
+    return used
