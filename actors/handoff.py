@@ -48,6 +48,7 @@ from pd_cluster.kv_layout import KVLayout
 from pd_cluster.outputs import RequestOutput
 from transfer.state import LEASE_S
 from transfer.messages import KVDescriptor
+from transfer.peers import seat_name
 from transfer.registry import make_transport
 
 Prefill = Callable[[], Awaitable[RequestOutput]]   # runs a prompt's prefill: its last output
@@ -56,18 +57,21 @@ Prefill = Callable[[], Awaitable[RequestOutput]]   # runs a prompt's prefill: it
 class KVEndpoint:
     """An engine actor's end of the handoff: its engine loop, a transport registered over the
     engine's KV cache (every tensor-parallel rank's shard of it, mapped into this process;
-    owned by a TransportPump), the peers it has connected to, and the KV it has moved."""
+    owned by a TransportPump), and the KV it has moved.
+
+    The transport sits in the replica's seat (`name`: its role and replica id at start), so
+    that when a replica restarts, its peers' transports replace the dead incarnation by the
+    new one (transfer/peers.py) instead of keeping both."""
 
     def __init__(self, loop: EngineLoop, transport: str, timeout_s: float, name: str,
                  lease_s: float = LEASE_S) -> None:
-        tr = make_transport(transport, timeout_s=timeout_s, lease_s=lease_s)
+        tr = make_transport(transport, seat_name(name), timeout_s=timeout_s, lease_s=lease_s)
         tr.register_shards(loop.engine.kv_shards())
         self.loop, self.timeout_s = loop, timeout_s
         self.descriptor = tr.descriptor()
         self.encoded_descriptor = self.descriptor.encode()
         self.pump = TransportPump(tr, name=name)
         self.kv_bytes, self.transfer_s = 0, 0.0
-        self._peers: set[str] = set()
 
     @property
     def layout(self) -> KVLayout:
@@ -78,11 +82,14 @@ class KVEndpoint:
         return num_blocks * self.layout.bytes_per_block_id
 
     async def connect(self, descriptor: bytes) -> str:
-        """Open a channel to a peer's KV cache, once per peer; returns the peer's agent name."""
+        """Open a channel to a peer's KV cache unless the transport has it (it drops a peer
+        that failed or restarted: a later descriptor connects it again, or its successor);
+        returns the peer's agent name."""
         peer = KVDescriptor.decode(descriptor)
-        if peer.agent not in self._peers:
+        # Read off the pump's thread: one dict lookup, which saves each request a pump call.
+        known = self.pump.transport.peers.get(peer.agent)
+        if known is None or known.address != peer.address:
             await asyncio.wrap_future(self.pump.call(lambda tr: tr.connect(peer)))
-            self._peers.add(peer.agent)
         return peer.agent
 
     async def connect_all(self, descriptors: Sequence[bytes]) -> None:

@@ -44,7 +44,8 @@ from pd_cluster.kv_layout import KVLayout
 from transfer.drain import Drain, DrainedNotice, DrainState
 from transfer.messages import KVDescriptor, KVShard, Message, MessageError, MsgKind
 from transfer.runs import Copy, shard_copies
-from transfer.shards import Segment, check_shards, head_sources, outside, starts
+from transfer.peers import PeerTable
+from transfer.shards import Segment, check_shards, outside, starts
 from transfer.state import (LEASE_S, LayoutMismatchError, Role, Transfer, TransferError,
                             TransferState)
 
@@ -54,13 +55,15 @@ __all__ = ["KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferEr
 log = logging.getLogger(__name__)
 
 
-class KVTransport(ABC):
-    """Moves (layer range × block ids) between registered KV caches; see the module docstring."""
+class KVTransport(PeerTable, ABC):
+    """Moves (layer range × block ids) between registered KV caches; see the module docstring
+    (and transfer/peers.py: peers that restart)."""
 
     backend: ClassVar[str]
 
     def __init__(self, name: str | None = None, *, timeout_s: float = 30.0,
                  lease_s: float = LEASE_S):
+        super().__init__()
         self.name = name or f"{self.backend}-{uuid.uuid4().hex[:12]}"
         self.timeout_s, self.lease_s = timeout_s, lease_s
         # After register: the shards (tensors, their layouts, each one's first virtual byte and
@@ -125,7 +128,8 @@ class KVTransport(ABC):
                             self.kv.is_cuda, self._address())
 
     def connect(self, peer: KVDescriptor | bytes) -> str:
-        """Check the peer's KV cache is compatible, open a channel to it; returns its name."""
+        """Check the peer's KV cache is compatible, open a channel to it (or replace the one
+        to what it replaces: transfer/peers.py); returns its name."""
         desc = KVDescriptor.decode(peer) if isinstance(peer, bytes) else peer
         self._registered()
         if desc.backend != self.backend:
@@ -134,12 +138,8 @@ class KVTransport(ABC):
         why = self.layout.mismatch(desc.layout) or check_shards(desc.layouts)
         if why:
             raise LayoutMismatchError(f"cannot exchange KV blocks with {desc.agent}: {why}")
-        if desc.agent not in self.peers:
-            mine, theirs = self.shard_layouts, desc.layouts
-            routes = (head_sources(mine, theirs), head_sources(theirs, mine))
-            self._connect(desc)
-            self.peers[desc.agent] = desc
-            self._routes[desc.agent] = routes
+        if self._admit(desc):   # a known peer, or one a restart replaced: transfer/peers.py
+            self._join(desc)
         return desc.agent
 
     # -- transfers -----------------------------------------------------------------------
@@ -303,7 +303,7 @@ class KVTransport(ABC):
         if err == "":
             t.state = TransferState.DONE
         elif err is not None:
-            self._finish(t, TransferState.FAILED, err)
+            self._failed(t, err)
         elif now > t.deadline:
             self.abort(t, f"timed out after {self.timeout_s:g}s")
             t.state = TransferState.TIMED_OUT
@@ -378,7 +378,7 @@ class KVTransport(ABC):
         try:
             self._send(peer, msg)
         except Exception as e:  # noqa: BLE001
-            log.info("%s: %s to %s not delivered: %r", self.name, msg.kind.value, peer, e)
+            self._undelivered(peer, msg, e)
 
     def _registered(self) -> torch.Tensor:
         if self.kv is None:

@@ -4,7 +4,9 @@ Every KV tensor (shard) is registered once, and the block descriptors of all of 
 and each peer's) are prepared once; a transfer is one NIXL request naming block indices
 (merged into runs by NIXL), carrying the DONE notice that NIXL delivers to the peer after the
 data. Control messages (RENEW, ABORT) are NIXL notifications too, so both sides must
-connect() to each other.
+connect() to each other. A peer that restarted, or whose connection NIXL gave up on, is
+connected anew (transfer/peers.py): its remote agent removed and added again, its list
+prepared again.
 
 Between KV caches of different head windows (tensor-parallel shardings that differ), blocks
 do not move whole: such a transfer is one NIXL request built from explicit (address, length,
@@ -147,6 +149,15 @@ class NixlTransport(KVTransport):
         self._peer_mem[peer.agent] = "VRAM" if peer.on_gpu else "DRAM"
         self._remote[peer.agent] = self._prep(peer.agent, shards, self._peer_mem[peer.agent])
         self._where[peer.agent] = _where(shards)
+
+    def _disconnect(self, peer: str) -> None:
+        # The peer's prepared list before its agent: the list refers to the agent's metadata.
+        dlist = self._remote.pop(peer, None)
+        self._where.pop(peer, None)
+        self._peer_mem.pop(peer, None)
+        if dlist is not None:
+            dlist.release()
+        self.agent.remove_remote_agent(peer)
 
     def _plan(self, role: Role, peer: KVDescriptor, layers: range, local_blocks,
               remote_blocks):

@@ -9,7 +9,8 @@ mailbox actor and both sides progress:
 Host payloads are lists of numpy views: `ray.put` copies them into the object store once and
 `ray.get` on the same node returns read-only zero-copy views, so a host hop is two memcpys.
 The mailbox belongs to its transport's process, so when that process dies, deliveries to it
-fail, which is how the peer learns of the death.
+fail, which is how the peer learns of the death; a restarted peer's new mailbox replaces it
+(transfer/peers.py).
 
 The owner keeps one drain call open: the mailbox answers it at the first delivery, or after
 DRAIN_WAIT_S with nothing, and `progress()` only checks whether the answer is in (no call, no
@@ -83,10 +84,11 @@ class RayTransport(KVTransport):
         super().__init__(name, **kwargs)
         self._mailbox = None
         self._drain: ray.ObjectRef | None = None          # our open drain call (module docstring)
-        # Our deliveries' numbers per peer, under a key of this instance's own (a transport
-        # that comes back under the same name starts again from 0).
+        # Our deliveries' numbers per peer mailbox (a peer's new one counts from 0), under a
+        # key of this instance's own (a transport that comes back under the same name starts
+        # again from 0).
         self._sender = f"{self.name}/{uuid.uuid4().hex[:8]}"
-        self._sent: dict[str, int] = {}
+        self._sent: dict[bytes, int] = {}
         self._mailboxes: dict[str, ray.actor.ActorHandle] = {}
         self._refs: dict[str, list] = {}                 # transfer id → payload refs received
         self._sends: list[tuple[str, ray.ObjectRef]] = []  # deliveries not yet confirmed
@@ -106,6 +108,10 @@ class RayTransport(KVTransport):
     def _connect(self, peer: KVDescriptor) -> None:
         ns, _, name = peer.address.decode().partition("/")
         self._mailboxes[peer.agent] = ray.get_actor(name, namespace=ns)
+
+    def _disconnect(self, peer: str) -> None:
+        self._mailboxes.pop(peer, None)
+        self._dead.pop(peer, None)
 
     def _post(self, t: Transfer, copies: list[Copy]) -> None:
         if t.role is Role.WRITE:
@@ -129,9 +135,10 @@ class RayTransport(KVTransport):
         self._deliver(peer, msg, [])
 
     def _deliver(self, peer: str, msg: Message, refs: list) -> None:
-        number = self._sent.get(peer, 0)
-        self._sent[peer] = number + 1
-        self._sends.append((peer, self._mailboxes[peer].deliver.remote(
+        mailbox, key = self._mailboxes[peer], self.peers[peer].address
+        number = self._sent.get(key, 0)
+        self._sent[key] = number + 1
+        self._sends.append((peer, mailbox.deliver.remote(
             self._sender, number, msg.encode(), refs)))
 
     def _recv(self) -> list[bytes]:
@@ -165,6 +172,8 @@ class RayTransport(KVTransport):
                 except (ray.exceptions.RayActorError, ray.exceptions.RayError) as e:
                     self._dead[peer] = f"peer process died ({type(e).__name__})"
         self._sends = [(p, r) for p, r in self._sends if r not in ready]
+        for peer in [p for p in self._dead if p in self.peers]:
+            self._rejoin(peer, self._dead[peer])
 
     def _on_message(self, msg: Message) -> bool:
         mine = self._outgoing.get(msg.transfer_id)
@@ -179,6 +188,8 @@ class RayTransport(KVTransport):
         elif msg.kind is MsgKind.DATA:
             self._receive_write(msg)
         elif msg.kind is MsgKind.READ_REQ:
+            if msg.sender not in self._mailboxes:   # (a replaced peer: transfer/peers.py)
+                raise MessageError(f"{msg.kind.value} from {msg.sender}, not a peer")
             self._check_runs(msg.runs)
             payload = ray.put([self._view(off, n) for off, n in msg.runs])
             self._deliver(msg.sender, Message(MsgKind.DATA, msg.transfer_id, self.name), [payload])
@@ -195,7 +206,7 @@ class RayTransport(KVTransport):
             self._dispatch(Message(MsgKind.ABORT, msg.transfer_id, msg.sender,
                                    f"payload lost, peer process died? ({type(e).__name__})"))
             return
-        self._send(msg.sender, Message(MsgKind.ACK, msg.transfer_id, self.name))
+        self._send_quiet(msg.sender, Message(MsgKind.ACK, msg.transfer_id, self.name))
         self._dispatch(Message(MsgKind.DONE, msg.transfer_id, msg.sender))
 
     def _view(self, off: int, n: int) -> np.ndarray:

@@ -8,7 +8,7 @@ run travels straight from one KV cache's memory into the other's (no staging cop
 
 Control messages are length-prefixed frames on tag 1. Both sides must connect() to each other.
 Endpoints are created with error handling, so a dead peer fails its requests instead of
-hanging them. The worker's progress thread waits on epoll (a polling one would eat a core).
+hanging them; a peer that restarted, or whose endpoint broke, gets a new one (transfer/peers.py). The worker's progress thread waits on epoll (a polling one would eat a core).
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class UcxTransport(KVTransport):
         # A peer's transfer we serve: transfer id → (peer, DATA or READ_REQ, data requests)
         self._served: dict[str, tuple[str, MsgKind, list]] = {}
         self._orphans: list = []  # requests of cancelled transfers, kept alive until they end
+        self._dropped: list[ucx_api.UCXEndpoint] = []   # endpoints of peers dropped (_disconnect)
 
     def _register(self) -> None:
         self._repost_ctrl()
@@ -58,6 +59,11 @@ class UcxTransport(KVTransport):
         addr = ucx_api.UCXAddress.create_from_buffer(np.frombuffer(peer.address, np.uint8))
         self._eps[peer.agent] = ucx_api.UCXEndpoint.create_from_worker_address(
             self._worker, addr, True)
+
+    def _disconnect(self, peer: str) -> None:
+        # Kept, not closed: closing an endpoint that UCX already closed on the peer's death
+        # crashes the process, and so may the last reference going on some other thread.
+        self._dropped.append(self._eps.pop(peer))
 
     def _post(self, t: Transfer, copies: list[Copy]) -> None:
         tag, ep = self._tag(t.id), self._eps[t.peer]
@@ -125,7 +131,7 @@ class UcxTransport(KVTransport):
                 self._dispatch(Message(MsgKind.ABORT, tid, peer, f"UCX: {err}"))
                 continue
             if kind is MsgKind.DATA:  # a write into us: the writer waits for this ACK
-                self._send(peer, Message(MsgKind.ACK, tid, self.name))
+                self._send_quiet(peer, Message(MsgKind.ACK, tid, self.name))
             self._dispatch(Message(MsgKind.DONE, tid, peer))
 
     def _on_message(self, msg: Message) -> bool:
@@ -134,7 +140,9 @@ class UcxTransport(KVTransport):
             mine.handle = _DONE
         elif msg.kind in (MsgKind.DATA, MsgKind.READ_REQ):
             self._check_runs(msg.runs)
-            ep = self._eps[msg.sender]
+            ep = self._eps.get(msg.sender)
+            if ep is None:   # (a replaced incarnation of a peer: transfer/peers.py)
+                raise MessageError(f"{msg.kind.value} from {msg.sender}, not a peer")
             if msg.kind is MsgKind.DATA:
                 reqs = [self._worker.tag_recv(self._array(off, n), ucx_api.UCXXTag(msg.tag + i))
                         for i, (off, n) in enumerate(msg.runs)]
@@ -170,6 +178,7 @@ class UcxTransport(KVTransport):
     def _close(self) -> None:
         self._worker.stop_progress_thread()
         self._eps.clear()
+        self._dropped.clear()
 
 
 def _error(reqs: list) -> str | None:
