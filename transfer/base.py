@@ -35,13 +35,13 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from pd_cluster.kv_layout import KVLayout
-from transfer.drain import Drain, DrainedNotice, DrainState
+from transfer.drain import DrainedNotice, Draining
 from transfer.messages import KVDescriptor, KVShard, Message, MessageError, MsgKind
 from transfer.runs import Copy, shard_copies
 from transfer.peers import PeerTable
@@ -55,7 +55,7 @@ __all__ = ["KVTransport", "LayoutMismatchError", "Role", "Transfer", "TransferEr
 log = logging.getLogger(__name__)
 
 
-class KVTransport(PeerTable, ABC):
+class KVTransport(PeerTable, Draining, ABC):
     """Moves (layer range × block ids) between registered KV caches; see the module docstring
     (and transfer/peers.py: peers that restart)."""
 
@@ -87,11 +87,6 @@ class KVTransport(PeerTable, ABC):
         # Messages that beat expect() (a fast peer), in arrival order (a late RENEW must not
         # hide the DONE): kept until expect() or the timeout.
         self._unclaimed: dict[str, tuple[float, list[Message]]] = {}
-        # Draining (transfer/drain.py): our abandoned groups until their writes are quiet, and
-        # peers' DRAINED notices until our receives of the group ended; the owner's listener.
-        self._drains: dict[tuple[str, str], Drain] = {}
-        self._drained_in: dict[str, DrainedNotice] = {}
-        self._drained_listener: Callable[[str], None] | None = None
 
     # -- setup ---------------------------------------------------------------------------
     def register(self, kv: torch.Tensor, layout: KVLayout) -> None:
@@ -202,29 +197,6 @@ class KVTransport(PeerTable, ABC):
             if table.get(t.id) is t:
                 del table[t.id]
 
-    def drain(self, peer: str, group: str, transfers: Sequence[Transfer]) -> None:
-        """Hand over `transfers`, a group's writes to `peer` that their owner is done with
-        (landed, or abandoned): the running ones end ABORTED (the peer is told), and once the
-        backend can move none of their bytes any more they are released and the peer gets
-        DRAINED(group). The transport owns them from here on."""
-        for t in transfers:
-            if not t.state.finished:
-                # Not `abort`: its backend cancel would release a NIXL handle whose writes
-                # are still posted, and then nothing here could tell when they landed.
-                self._finish(t, TransferState.ABORTED, "abandoned by its owner")
-                self._send_quiet(t.peer, Message(MsgKind.ABORT, t.id, self.name,
-                                                 "abandoned by its owner"))
-        key = (peer, group)
-        old = self._drains.pop(key, None)
-        ts = [*(old.transfers if old else ()), *transfers]
-        self._drains[key] = Drain(peer, group, ts, time.monotonic() + self.timeout_s)
-        self._settle_drains(time.monotonic())
-
-    def on_drained(self, listener: Callable[[str], None] | None) -> None:
-        """Call `listener(group)` (on the thread that progresses us) for each peer's DRAINED
-        notice, once our own receives of that group have ended."""
-        self._drained_listener = listener
-
     def in_flight(self) -> int:
         return sum(not t.state.finished for d in (self._outgoing, self._targets)
                    for t in d.values())
@@ -265,38 +237,6 @@ class KVTransport(PeerTable, ABC):
             self._settle_drains(now)
         if self._drained_in:
             self._report_drained(now)
-
-    def _settle_drains(self, now: float) -> None:
-        """Our drained groups: DRAINED to the peer once no write of the group can land."""
-        for key, d in list(self._drains.items()):
-            quiet = all(self._quiet(t) for t in d.transfers)
-            if not quiet and now <= d.deadline:
-                continue
-            del self._drains[key]
-            for t in d.transfers:
-                self.release(t)
-            if quiet:
-                d.state = DrainState.DRAINED
-                self._send_quiet(d.peer, Message(MsgKind.DRAINED, d.group, self.name))
-            else:
-                d.state = DrainState.GAVE_UP
-                log.warning("%s: writes of %s to %s still moving after %gs; the peer's "
-                            "deadline will free its blocks", self.name, d.group, d.peer,
-                            self.timeout_s)
-
-    def _report_drained(self, now: float) -> None:
-        """Peers' DRAINED notices: to the owner once our receives of the group have ended."""
-        for group, n in list(self._drained_in.items()):
-            if self._serving(group):
-                if now - n.since > self.timeout_s:
-                    del self._drained_in[group]   # the owner's deadline frees the blocks
-                continue
-            del self._drained_in[group]
-            if self._drained_listener is not None:
-                try:
-                    self._drained_listener(group)
-                except Exception:  # noqa: BLE001 - the owner's bug must not stop progress
-                    log.exception("%s: the DRAINED listener failed for %s", self.name, group)
 
     def _advance(self, t: Transfer, now: float) -> None:
         err = self._check(t)
@@ -398,7 +338,7 @@ class KVTransport(PeerTable, ABC):
                                  np.asarray(runs, dtype=np.int64).reshape(-1, 2)):
             raise MessageError(f"runs outside the {self._starts[-1]}-byte KV cache's shards")
 
-    # -- backend hooks -------------------------------------------------------------------
+    # -- backend hooks (and Draining's _quiet, _serving; PeerTable's _disconnect) ---------
     @abstractmethod
     def _register(self) -> None:
         """Set up the backend for `self.shards` (registered memory, mailboxes, ...)."""
@@ -451,16 +391,6 @@ class KVTransport(PeerTable, ABC):
 
     def _release(self, t: Transfer) -> None:
         """Free backend resources of a finished transfer."""
-
-    def _quiet(self, t: Transfer) -> bool:
-        """Whether the backend can move no more bytes of `t` (its operations completed or
-        failed). Synchronous backends are always quiet."""
-        return True
-
-    def _serving(self, group: str) -> bool:
-        """Whether a peer's transfer of `group` still lands through a receive we posted
-        (two-sided backends)."""
-        return False
 
     def _close(self) -> None:
         """Free everything the backend holds."""

@@ -24,10 +24,16 @@ A sender that dies sends nothing: the receiver's fence ends at its deadline (lea
 """
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from transfer.state import Transfer
+from transfer.messages import Message, MsgKind
+from transfer.state import Transfer, TransferState
+
+log = logging.getLogger(__name__)
 
 SEP = "/"
 
@@ -65,3 +71,81 @@ class DrainedNotice:
     group: str
     sender: str
     since: float
+
+
+class Draining:
+    """The draining half of KVTransport (transfer/base.py): `drain` and `on_drained`, and what
+    `progress` does for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Our abandoned groups until their writes are quiet, and peers' DRAINED notices until
+        # our receives of the group ended; the owner's listener.
+        self._drains: dict[tuple[str, str], Drain] = {}
+        self._drained_in: dict[str, DrainedNotice] = {}
+        self._drained_listener: Callable[[str], None] | None = None
+
+    def drain(self, peer: str, group: str, transfers: Sequence[Transfer]) -> None:
+        """Hand over `transfers`, a group's writes to `peer` that their owner is done with
+        (landed, or abandoned): the running ones end ABORTED (the peer is told), and once the
+        backend can move none of their bytes any more they are released and the peer gets
+        DRAINED(group). The transport owns them from here on."""
+        for t in transfers:
+            if not t.state.finished:
+                # Not `abort`: its backend cancel would release a NIXL handle whose writes
+                # are still posted, and then nothing here could tell when they landed.
+                self._finish(t, TransferState.ABORTED, "abandoned by its owner")
+                self._send_quiet(t.peer, Message(MsgKind.ABORT, t.id, self.name,
+                                                 "abandoned by its owner"))
+        key = (peer, group)
+        old = self._drains.pop(key, None)
+        ts = [*(old.transfers if old else ()), *transfers]
+        self._drains[key] = Drain(peer, group, ts, time.monotonic() + self.timeout_s)
+        self._settle_drains(time.monotonic())
+
+    def on_drained(self, listener: Callable[[str], None] | None) -> None:
+        """Call `listener(group)` (on the thread that progresses us) for each peer's DRAINED
+        notice, once our own receives of that group have ended."""
+        self._drained_listener = listener
+
+    def _settle_drains(self, now: float) -> None:
+        """Our drained groups: DRAINED to the peer once no write of the group can land."""
+        for key, d in list(self._drains.items()):
+            quiet = all(self._quiet(t) for t in d.transfers)
+            if not quiet and now <= d.deadline:
+                continue
+            del self._drains[key]
+            for t in d.transfers:
+                self.release(t)
+            if quiet:
+                d.state = DrainState.DRAINED
+                self._send_quiet(d.peer, Message(MsgKind.DRAINED, d.group, self.name))
+            else:
+                d.state = DrainState.GAVE_UP
+                log.warning("%s: writes of %s to %s still moving after %gs; the peer's "
+                            "deadline will free its blocks", self.name, d.group, d.peer,
+                            self.timeout_s)
+
+    def _report_drained(self, now: float) -> None:
+        """Peers' DRAINED notices: to the owner once our receives of the group have ended."""
+        for group, n in list(self._drained_in.items()):
+            if self._serving(group):
+                if now - n.since > self.timeout_s:
+                    del self._drained_in[group]   # the owner's deadline frees the blocks
+                continue
+            del self._drained_in[group]
+            if self._drained_listener is not None:
+                try:
+                    self._drained_listener(group)
+                except Exception:  # noqa: BLE001 - the owner's bug must not stop progress
+                    log.exception("%s: the DRAINED listener failed for %s", self.name, group)
+
+    def _quiet(self, t: Transfer) -> bool:
+        """Whether the backend can move no more bytes of `t` (its operations completed or
+        failed). Synchronous backends are always quiet."""
+        return True
+
+    def _serving(self, group: str) -> bool:
+        """Whether a peer's transfer of `group` still lands through a receive we posted
+        (two-sided backends)."""
+        return False

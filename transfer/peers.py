@@ -52,6 +52,7 @@ class PeerTable:
     """Which peers a transport is connected to, and how they are replaced (module docstring)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._retired: set[str] = set()          # agents whose seat a newer incarnation took
         self._rejoined_at: dict[str, float] = {}
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from pd_cluster import LLM, EngineConfig, SamplingParams
 from pd_cluster.role import Role
 from router.routing import Route
 from tests.support.engine_clients import collect, prefilled_tokens, prefilling
+from tests.support.kv import blocks, model_kv, paged_kv, tiny_layout
 from tests.support.tiny_models import make_tiny_model
-from tests.support.waiting import wait_until_async
+from tests.support.waiting import wait_until, wait_until_async
 
 ray = pytest.importorskip("ray")
 from actors.engine_actor import EngineActor  # noqa: E402
@@ -23,7 +25,8 @@ from router.control.fleet import EngineFleet  # noqa: E402
 from router.control.membership import ReplicaState  # noqa: E402
 from router.disagg_client import DisaggregatedClient  # noqa: E402
 from transfer.messages import KVDescriptor  # noqa: E402
-from transfer.peers import seat_of  # noqa: E402
+from transfer.peers import seat_name, seat_of  # noqa: E402
+from transfer.registry import make_transport  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -138,3 +141,38 @@ async def _d_free(d) -> bool:
 @pytest.mark.parametrize("transport", ["nixl", "ucx", "ray"])
 def test_prefill_restarted_under_load_is_rejoined_by_decode(tiny, reference, transport):
     asyncio.run(restart_under_load(tiny, transport, reference))
+
+
+@pytest.mark.parametrize("backend", ["nixl", "ucx", "ray"])
+def test_a_transport_takes_its_peers_new_incarnation_and_never_the_dead_one(backend):
+    """The transports alone: a peer in the same seat under a new name replaces the old one,
+    whose descriptor, arriving late, is not connected again; writes reach the new one."""
+    layout = tiny_layout()
+    d = make_transport(backend, seat_name("d"))
+    d.register(layout.allocate(), layout)
+
+    def incarnation(seed):
+        p = make_transport(backend, seat_name("p"))
+        p.register(paged_kv(layout, model_kv(layout, 22, seed=seed), [1, 2]), layout)
+        p.connect(d.descriptor())
+        d.connect(p.descriptor())
+        return p
+
+    old = incarnation(1)
+    dead = old.descriptor()
+    old.close()
+    new = incarnation(2)
+    try:
+        assert sorted(d.peers) == [new.name]
+        d.connect(dead)
+        assert sorted(d.peers) == [new.name]
+        target = d.expect(new.name, "w")
+        t = new.write(d.name, [1, 2], [5, 6], transfer_id="w")
+        # Both progress: two-sided backends (ucx, ray) acknowledge a write from the target.
+        wait_until(lambda: all([new.poll(t).finished, d.poll(target).finished]), 10, 1e-3)
+        t.raise_if_failed()
+        target.raise_if_failed()
+        assert torch.equal(blocks(d.kv, [5, 6]), blocks(new.kv, [1, 2]))
+    finally:
+        new.close()
+        d.close()
