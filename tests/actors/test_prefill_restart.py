@@ -30,6 +30,7 @@ from transfer.registry import make_transport  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
+TRANSPORTS = ["nixl", "ucx", "ray"]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # Prompts of 3-5 prefill chunks (16 tokens a step), so that the kill finds P mid-prefill.
 BEFORE = [list(range(5 + i, 53 + i + 8 * (i % 3))) for i in range(6)]   # running at the kill
@@ -122,7 +123,7 @@ async def restart_under_load(tiny, transport, reference):
 
         assert await run(client, AFTER, "after") == reference[len(BEFORE):]
         p_load, d_load = await new_p.load.remote(), await d.load.remote()
-        assert prefilled_tokens(p_load) >= sum(map(len, AFTER)) - 16 * len(AFTER)
+        assert prefilled_tokens(p_load) == sum(map(len, AFTER))
         assert p_load.kv_bytes_transferred > 0
         assert prefilled_tokens(d_load) == d_prefilled    # D took the KV, computed none
 
@@ -138,12 +139,24 @@ async def _d_free(d) -> bool:
     return load.kv_blocks_used == 0 and load.num_running == 0
 
 
-@pytest.mark.parametrize("transport", ["nixl", "ucx", "ray"])
-def test_prefill_restarted_under_load_is_rejoined_by_decode(tiny, reference, transport):
-    asyncio.run(restart_under_load(tiny, transport, reference))
+@pytest.fixture(scope="module")
+def restarts(tiny, reference):
+    """Each transport's restart under load on a deployment of its own, all at once: while one
+    waits (the health check, the restart's backoff, D's fence) the others compute. Transport
+    → None, or the error that ended its run."""
+    async def all_transports():
+        return await asyncio.gather(*[restart_under_load(tiny, t, reference)
+                                      for t in TRANSPORTS], return_exceptions=True)
+    return dict(zip(TRANSPORTS, asyncio.run(all_transports())))
 
 
-@pytest.mark.parametrize("backend", ["nixl", "ucx", "ray"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_restarted_under_load_is_rejoined_by_decode(restarts, transport):
+    if restarts[transport] is not None:
+        raise restarts[transport]
+
+
+@pytest.mark.parametrize("backend", TRANSPORTS)
 def test_a_transport_takes_its_peers_new_incarnation_and_never_the_dead_one(backend):
     """The transports alone: a peer in the same seat under a new name replaces the old one,
     whose descriptor, arriving late, is not connected again; writes reach the new one."""
