@@ -108,6 +108,7 @@ class RayTransport(KVTransport):
     def _connect(self, peer: KVDescriptor) -> None:
         ns, _, name = peer.address.decode().partition("/")
         self._mailboxes[peer.agent] = ray.get_actor(name, namespace=ns)
+        self._dead.pop(peer.agent, None)   # (a failed delivery to what this replaces)
 
     def _disconnect(self, peer: str) -> None:
         self._mailboxes.pop(peer, None)

@@ -8,7 +8,8 @@ run travels straight from one KV cache's memory into the other's (no staging cop
 
 Control messages are length-prefixed frames on tag 1. Both sides must connect() to each other.
 Endpoints are created with error handling, so a dead peer fails its requests instead of
-hanging them; a peer that restarted, or whose endpoint broke, gets a new one (transfer/peers.py). The worker's progress thread waits on epoll (a polling one would eat a core).
+hanging them; a peer that restarted, or whose endpoint broke, gets a new one (transfer/peers.py).
+The worker's progress thread waits on epoll (a polling one would eat a core).
 """
 from __future__ import annotations
 
