@@ -81,6 +81,7 @@ class DecodeSide:
         if got is None:
             return None
         host.subscribers.track(sub, request_id)
+        host.end.pump.expect()                  # P's writes into these blocks come next
         _, block_ids, cached = got
         self._leases[request_id] = asyncio.get_running_loop().call_later(
             self.lease_s, self._drop_reservation, request_id)
