@@ -5,6 +5,8 @@ Markers (registered in pyproject.toml): `slow` (left out by `-m "not slow"`, the
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -15,6 +17,12 @@ SHARED_SERVER = "default_server"
 SHARED_SERVER_LATER = "default_server_later"
 OWN_RAY = "own_ray"
 RAY_FIXTURES = ("ray_cluster", OWN_RAY, SHARED_SERVER, SHARED_SERVER_LATER)
+
+# Each Ray worker, server and CLI process the tests start imports the project afresh; where
+# bytecode writing is off (PYTHONDONTWRITEBYTECODE, as on some CI images) each compiled every
+# module again. They inherit this process's environment.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
