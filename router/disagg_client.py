@@ -196,9 +196,9 @@ class DisaggregatedClient:
                     try:
                         if number >= self.max_migrations:
                             raise EngineUnavailable(
-                                f"request {request_id} lost its decode replica "
-                                f"{number + 1} times (limits.max_migrations: "
-                                f"{self.max_migrations})") from e
+                                f"request {request_id} lost its decode replica after "
+                                f"{number} migration(s), the most limits.max_migrations "
+                                f"allows ({self.max_migrations})") from e
                         d_id = self._live(Role.DECODE, exclude=d_id, cause=e)
                     except EngineUnavailable:
                         attempt.move_to(Stage.FAILED)

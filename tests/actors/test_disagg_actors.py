@@ -66,10 +66,11 @@ def tiny(tiny_model_root):
 @pytest.fixture(scope="module")
 def nixl_pd(tiny):
     """One nixl deployment for the module's tests that need no other settings (each engine
-    actor takes seconds of CPU to start): 2 P, 2 D, prefills in chunks of 16 tokens so that a
+    actor takes seconds of CPU to start): 2 P, 3 D, prefills in chunks of 16 tokens so that a
     drain can catch P1 mid-prefill. The tests that retire or kill its replicas run last,
-    in this order: the drain (P1), a killed decoder (D0), then every decoder."""
-    client = start(tiny, "nixl", num_p=2, num_d=2, max_num_batched_tokens=16)
+    in this order: the drain (P1), a killed decoder past the migration bound (D2), a killed
+    decoder (D0), then every decoder."""
+    client = start(tiny, "nixl", num_p=2, num_d=3, max_num_batched_tokens=16)
     yield client
     shutdown(client)
 
@@ -193,6 +194,25 @@ def test_draining_a_prefill_replica_mid_prefill_fails_no_request(nixl_pd, tiny):
         ray.get(p1.load.remote(), timeout=30)
     client.update(membership)
     assert ("prefill", 1) not in client.available()
+    wait_all_free(client, DRAINED_WITHIN_S)
+
+
+def test_request_past_its_migration_bound_fails_clearly_though_a_decoder_is_free(nixl_pd):
+    client = nixl_pd
+    client.max_migrations = 0           # limits.max_migrations: the first loss ends it
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def kill_after_some(out):
+        if len(out.outputs[0].token_ids) == 10:
+            ray.kill(client.decode[2])
+    try:
+        with pytest.raises(EngineUnavailable, match=r"after 0 migration\(s\), the most "
+                                                    r"limits.max_migrations allows \(0\)"):
+            asyncio.run(collect(client, "m", list(range(10, 40)), params, Route(2, 0),
+                                kill_after_some))
+    finally:
+        client.max_migrations = 3
+    assert {("decode", 0), ("decode", 1)} <= client.available()
     wait_all_free(client, DRAINED_WITHIN_S)
 
 
