@@ -9,22 +9,21 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 
+from actors.engine_actor import EngineActor
+from actors.handoff import PushHandoff
 from pd_cluster import LLM, EngineConfig, SamplingParams
 from pd_cluster.role import Role
+from router.control.fleet import EngineFleet
+from router.control.membership import ReplicaState
+from router.disagg_client import DisaggregatedClient
 from router.routing import Route
 from tests.support.engine_clients import collect, prefilled_tokens, prefilling
 from tests.support.tiny_models import make_tiny_model
 from tests.support.waiting import wait_until_async
-
-ray = pytest.importorskip("ray")
-from actors.engine_actor import EngineActor  # noqa: E402
-from actors.handoff import PushHandoff  # noqa: E402
-from router.control.fleet import EngineFleet  # noqa: E402
-from router.control.membership import ReplicaState  # noqa: E402
-from router.disagg_client import DisaggregatedClient  # noqa: E402
-from transfer.messages import KVDescriptor  # noqa: E402
-from transfer.peers import seat_of  # noqa: E402
+from transfer.messages import KVDescriptor
+from transfer.peers import seat_of
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -38,10 +37,12 @@ AFTER = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]     # sent aft
 TRANSFER_LEASE_S = 3.0
 READY_S = 120        # engines loading on a loaded 2-core machine
 RESTART_S = 60       # health check, backoff, a new actor loading its model
+ALL_S = 300          # a transport's whole run, every Ray call in it included
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_root):
+    """The tiny llama (GQA) checkpoint the engines load."""
     return make_tiny_model("llama_gqa", tiny_model_root)
 
 
@@ -123,7 +124,7 @@ async def restart_under_load(tiny, transport, reference):
         assert await peers_of(d) == [new_agent]
         d_prefilled = prefilled_tokens(await d.load.remote())
 
-        assert await run(client, AFTER, "after") == reference[len(BEFORE):]
+        assert await asyncio.wait_for(run(client, AFTER, "after"), 60) == reference[len(BEFORE):]
         p_load, d_load = await new_p.load.remote(), await d.load.remote()
         assert prefilled_tokens(p_load) == sum(map(len, AFTER))
         assert p_load.kv_bytes_transferred > 0
@@ -147,7 +148,8 @@ def restarts(tiny, reference):
     waits (the health check, the restart's backoff, D's fence) the others compute. Transport
     → None, or the error that ended its run."""
     async def all_transports():
-        return await asyncio.gather(*[restart_under_load(tiny, t, reference)
+        return await asyncio.gather(*[asyncio.wait_for(restart_under_load(tiny, t, reference),
+                                                       ALL_S)
                                       for t in TRANSPORTS], return_exceptions=True)
     return dict(zip(TRANSPORTS, asyncio.run(all_transports())))
 
