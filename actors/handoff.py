@@ -61,7 +61,8 @@ class KVEndpoint:
 
     The transport sits in the replica's seat (`name`: its role and replica id at start), so
     that when a replica restarts, its peers' transports replace the dead incarnation by the
-    new one (transfer/peers.py) instead of keeping both."""
+    new one (transfer/peers.py) instead of keeping both. A replica that changes roles keeps
+    the seat it started in: the fleet never gives its old replica id to another."""
 
     def __init__(self, loop: EngineLoop, transport: str, timeout_s: float, name: str,
                  lease_s: float = LEASE_S) -> None:

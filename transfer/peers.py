@@ -12,10 +12,10 @@ in the same seat under a new name, at a new address. `connect(descriptor)` then:
                                            old one (a result it sent before it died) is not
                                            connected again: `connect` returns its name, and
                                            transfers with it lapse or fail
-A backend error with a peer (a failed transfer, an undeliverable control message; e.g. NIXL's
-"remote agent ... was disconnected", which outlives a peer stopped past the transfer lease
-and resumed) drops the peer's metadata too, and connects it again at once from the
-descriptor it gave: a new NIXL remote agent and prepared lists, a new UCX endpoint, the
+A backend error with a peer (a failed transfer, an undeliverable control message) drops the
+peer's metadata too, since a UCX endpoint (NIXL's included) that gave up on a peer stays
+failed even once the peer answers again, and connects it again at once from the descriptor
+it gave: a new NIXL remote agent and prepared lists, a new UCX endpoint, the
 mailbox looked up anew. Once per REJOIN_EVERY_S per peer, so that a dead peer costs one
 attempt per second, not one per failed transfer.
 Dropping a peer fails our open transfers to it (their backend handles go with it); its
