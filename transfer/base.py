@@ -2,7 +2,7 @@
 
 Lifecycle of a transport:
     register(kv, layout) | register_shards([(kv, layout), ...])
-        → descriptor() → connect(peer descriptor)                           (once per peer)
+        → descriptor() → connect(peer descriptor)   (once per peer, and its restarts: peers.py)
     initiator: write()/read() → poll()/wait() → release()
     target:    expect(transfer id) → poll() → release()   (its blocks are touched by the peer)
 
