@@ -48,67 +48,26 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               fp8_out: bool = False) -> torch.Tensor:
     """Causal attention of every query token to its sequence's cached context, in fp32 (an
     fp8 cache read as fp8 * its scale). fp8_out (an fp8 cache): the output as e4m3 in V's
-    units, V read unscaled, as the kernels write it (kernels/paged.py finish_output).
-
-    Shapes: q [T, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads,
-    head_dim]; out like q. The decodes (one query each) attend in one batch, the rest one
-    sequence at a time: a per-sequence loop costs a dozen small ops per sequence and layer,
-    most of a CPU decode step at batch 64 with short contexts."""
+    units, V read unscaled, as the kernels write it (kernels/paged.py finish_output)."""
     k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     if fp8_out:
         v_scale = None
     out = torch.empty(q.shape, dtype=FP8 if fp8_out else q.dtype, device=q.device)
-    lens = meta.seq_lens_cpu[:meta.num_decodes]
-    # Batching pads every context to the longest: on a CPU it pays while the padding adds at
-    # most half the work (measured with bench-sized batches of 64).
-    n = len(lens) if lens and 2 * len(lens) * max(lens) <= 3 * sum(lens) else 0
-    if n:
-        o = _decodes(q[:n], k_cache, v_cache, meta, scale, k_scale, v_scale)
-        out[:n] = saturate(o) if fp8_out else o.to(q.dtype)
-    for i in range(n, meta.num_seqs):
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    for i in range(meta.num_seqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        seq_len = meta.seq_lens_cpu[i]
+        seq_len, q_len = meta.seq_lens_cpu[i], end - start
         k = _read(gather_kv(k_cache, meta.block_tables[i], seq_len), k_scale)
         v = _read(gather_kv(v_cache, meta.block_tables[i], seq_len), v_scale)
-        o = _one_sequence(q[start:end].float(), k, v, scale)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         out[start:end] = saturate(o) if fp8_out else o.to(q.dtype)
     return out
-
-
-def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """q [q_len, H, D] the sequence's last q_len positions; k, v [seq_len, H_kv, D]."""
-    q_len, seq_len, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-    k_pos = torch.arange(seq_len, device=q.device)[None, :]
-    scores.masked_fill_(k_pos > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
-def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None,
-             v_scale: torch.Tensor | None) -> torch.Tensor:
-    """The first n sequences, one query token each (q [n, H, D]) attending to their whole
-    context, gathered padded to the longest. A padding position reads its sequence's first
-    slot and is masked: it must read written memory, as a free slot may hold NaN and a zero
-    weight times NaN is NaN."""
-    n, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    lens = torch.tensor(meta.seq_lens_cpu[:n], device=q.device)
-    pos = torch.arange(max(meta.seq_lens_cpu[:n]), device=q.device)[None, :]
-    valid = pos < lens[:, None]                                                   # [n, S]
-    pos = torch.where(valid, pos, 0)
-    slots = meta.block_tables[:n].long().gather(1, pos // block_size) * block_size \
-        + pos % block_size
-    k = _read(k_cache.view(-1, num_kv_heads, head_dim)[slots], k_scale)          # [n, S, Hkv, D]
-    v = _read(v_cache.view(-1, num_kv_heads, head_dim)[slots], v_scale)
-    qg = q.float().view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("nhgd,nshd->nhgs", qg, k) * scale
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    o = torch.einsum("nhgs,nshd->nhgd", scores.softmax(-1), v)
-    return o.reshape(n, num_heads, head_dim)
 
 
 class TorchAttentionBackend:
