@@ -119,7 +119,7 @@ async def restart_under_load(tiny, transport, reference):
         # D was not restarted, and its transport holds the new P in the dead one's stead; the
         # dead one's descriptor, arriving late (a result it sent before it died), stays out.
         assert await peers_of(d) == [new_agent]
-        assert seat_of(new_agent) == seat_of(old_agent) != None  # noqa: E711
+        assert seat_of(old_agent) is not None and seat_of(new_agent) == seat_of(old_agent)
         await d.add_peer.remote(old_descriptor)
         assert await peers_of(d) == [new_agent]
         d_prefilled = prefilled_tokens(await d.load.remote())
